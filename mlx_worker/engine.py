@@ -1,0 +1,175 @@
+"""The engine: an asyncio facade over a scheduling loop on its own thread."""
+
+import asyncio
+import queue
+import threading
+from collections import deque
+from typing import AsyncIterator, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from pydantic import BaseModel, Field
+
+from .kv_pool import KVPool, kv_bytes_per_token, pool_pages, probe_layers
+from .loader import load_model
+from .page_manager import PageManager
+from .paging import PAGE_SIZE
+from .request import Request, RequestOutput, Sequence
+from .scheduler import Scheduler
+from .worker import Worker
+
+
+class EngineConfig(BaseModel):
+    model: Optional[str] = None  # HF id, mlx-lm dir, .gguf file; None = embedded default
+    dtype: str = "auto"  # auto | quantized | float32 | float16 | bfloat16
+    page_size: int = Field(PAGE_SIZE, ge=1)
+    max_total_tokens: Optional[int] = Field(None, ge=1)  # KV pool size; overrides the fraction
+    kv_memory_fraction: float = Field(0.25, gt=0, le=0.95)
+    max_running_requests: int = Field(64, ge=1)
+    max_batched_tokens: int = Field(512, ge=1)  # tokens per step: decode rows + prefill chunks
+    overlap: bool = True  # False: finish each step before scheduling the next (debugging)
+
+
+class Engine:
+    """Serve many requests on one model: `async for out in engine.generate(req)`.
+
+    All device work runs on the engine thread; callers' event loops only await queues.
+    """
+
+    def __init__(self, config: Optional[EngineConfig] = None, model=None, tokenizer=None):
+        self.config = config = config or EngineConfig()
+        if model is None:
+            model, tokenizer = load_model(config.model, config.dtype)
+        self.model, self.tokenizer = model, tokenizer
+        specs, dtype = probe_layers(model)
+        weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        num_pages = pool_pages(
+            specs, dtype, config.page_size, weights, config.kv_memory_fraction, config.max_total_tokens
+        )
+        self.pool = KVPool(specs, dtype, num_pages, config.page_size)
+        self.pages = PageManager(num_pages, config.page_size)
+        eos = set(getattr(tokenizer, "eos_token_ids", None) or []) if tokenizer is not None else set()
+        self.scheduler = Scheduler(self.pages, eos, config.max_running_requests, config.max_batched_tokens)
+        self.worker = Worker(model, self.pool)
+        self.kv_bytes_per_token = kv_bytes_per_token(specs, dtype)
+        self.num_steps = 0
+
+        self._commands: "queue.Queue[Tuple[str, object]]" = queue.Queue()
+        self._sinks: Dict[str, Tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._thread.start()
+
+    # --- public API ----------------------------------------------------------------
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Stream outputs (new token ids) until the request finishes. Closing the
+        iterator early (client gone, task cancelled) aborts the request."""
+        if self._error is not None:
+            raise RuntimeError("engine loop died") from self._error
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        self._sinks[request.rid] = (loop, sink)
+        self._commands.put(("add", request))
+        finished = False
+        try:
+            while not finished:
+                out = await sink.get()
+                if isinstance(out, BaseException):
+                    raise RuntimeError("engine loop died") from out
+                finished = out.finished
+                yield out
+        finally:
+            self._sinks.pop(request.rid, None)
+            if not finished:
+                self.abort(request.rid)
+
+    def abort(self, rid: str) -> None:
+        """Stop a request and free its pages (takes effect before the next step)."""
+        self._commands.put(("abort", rid))
+
+    def stats(self) -> dict:
+        with self._lock:
+            pm = self.pages
+            return {
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "kv_pages_used": pm.used(),
+                "kv_pages_total": pm.num_pages,
+                "kv_pages_cached": len(pm.page_of),
+                "page_size": pm.page_size,
+                "prefix_hit_tokens": pm.hit_tokens,
+                "prefix_query_tokens": pm.query_tokens,
+                "evictions": pm.evictions,
+                "preemptions": self.scheduler.num_preemptions,
+                "steps": self.num_steps,
+                "cached_page_hashes": pm.cached_hashes(),
+            }
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    # --- engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # surface to every waiting caller, never hang them
+            self._error = e
+            for loop, sink in list(self._sinks.values()):
+                loop.call_soon_threadsafe(sink.put_nowait, e)
+            raise
+
+    def _loop(self) -> None:
+        inflight: deque = deque()
+        while not self._stop.is_set():
+            idle = not inflight and not self.scheduler.has_work()
+            self._apply_commands(block=idle)
+            with self._lock:
+                plan = self.scheduler.schedule()
+                if plan:
+                    inflight.append(self.worker.launch(plan))
+                    self.num_steps += 1
+                early = self.scheduler.drain_outputs()
+            self._deliver(early)
+            if inflight and (len(inflight) > 1 or not plan or not self.config.overlap):
+                step = inflight.popleft()
+                tokens = self.worker.finalize(step)
+                with self._lock:
+                    outputs = self.scheduler.process(step.plan, tokens)
+                self._deliver(outputs)
+
+    def _apply_commands(self, block: bool) -> None:
+        outputs = []
+        while True:
+            try:
+                cmd, arg = self._commands.get(block=block)
+            except queue.Empty:
+                break
+            block = False
+            with self._lock:
+                if cmd == "add":
+                    out = self.scheduler.add(Sequence.from_request(arg, self.config.page_size))
+                elif cmd == "abort":
+                    out = self.scheduler.abort(arg)
+                else:
+                    out = None
+            if out is not None:
+                outputs.append(out)
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: List[RequestOutput]) -> None:
+        by_loop: Dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            target = self._sinks.get(out.rid)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items) -> None:
+    for sink, out in items:
+        sink.put_nowait(out)

@@ -1,0 +1,45 @@
+"""Load a model for the engine and pick its compute dtype for the device."""
+
+from typing import Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm import load as mlx_load
+from mlx_lm.utils import dequantize_model
+
+from .gguf import resolve_model
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def on_metal() -> bool:
+    return mx.metal.is_available()
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+
+
+def apply_dtype(model: nn.Module, dtype: str = "auto") -> nn.Module:
+    """'auto': keep the weights on Metal; on CPU dequantize to float32, where MLX's
+    quantized kernels are slow and float32 matmuls run on BLAS. 'quantized' keeps
+    the checkpoint as is; a float name dequantizes and casts."""
+    if dtype == "auto":
+        dtype = "quantized" if on_metal() else "float32"
+    if dtype == "quantized":
+        return model
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto, quantized or one of {sorted(DTYPES)}, got {dtype!r}")
+    if is_quantized(model):
+        model = dequantize_model(model)
+    model.set_dtype(DTYPES[dtype])
+    return model
+
+
+def load_model(spec: Optional[str] = None, dtype: str = "auto") -> Tuple[nn.Module, object]:
+    """(model, tokenizer) for a Hugging Face id, an mlx-lm directory, a .gguf file, or
+    None for the embedded default model."""
+    model, tokenizer = mlx_load(resolve_model(spec))
+    model = apply_dtype(model, dtype)
+    mx.eval(model.parameters())
+    return model, tokenizer

@@ -1,0 +1,92 @@
+"""mlx-lm cache objects over the paged pool, so unmodified mlx-lm models run on it."""
+
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .kv_pool import KVPool
+
+
+class BatchLayout:
+    """Where one forward's rows live in the pool.
+
+    Row b feeds `L` tokens at positions offsets[b] .. offsets[b] + L - 1 and attends to
+    positions 0 .. offsets[b] + L - 1. Rows may have different lengths (ragged decode);
+    keys past a row's end are padding, hidden by the mask.
+    """
+
+    def __init__(self, page_tables: Sequence[Sequence[int]], offsets: Sequence[int], L: int, page_size: int):
+        B = len(offsets)
+        offs = np.asarray(offsets, dtype=np.int64)
+        ends = offs + L
+        Lk = int(ends.max())
+        pos = np.arange(Lk)
+        table = np.zeros((B, Lk), dtype=np.int64)
+        for b, pages in enumerate(page_tables):
+            n = int(ends[b])
+            p = np.asarray(pages[: (n + page_size - 1) // page_size], dtype=np.int64)
+            table[b, :n] = p[pos[:n] // page_size] * page_size + pos[:n] % page_size
+        writes = table[np.arange(B)[:, None], offs[:, None] + np.arange(L)[None]]
+        self.L = L
+        self.Lk = Lk
+        self.offsets_np = offs
+        self.write_slots = mx.array(writes.reshape(-1).astype(np.int32))
+        self.table = mx.array(table.astype(np.int32))
+        self.offset = mx.array(offs.astype(np.int32)) if B > 1 else int(offs[0])
+        self._masks: Dict[Optional[int], Optional[mx.array]] = {}
+
+    def mask(self, window: Optional[int] = None) -> Optional[mx.array]:
+        if window not in self._masks:
+            self._masks[window] = self._make_mask(window)
+        return self._masks[window]
+
+    def _make_mask(self, window: Optional[int]) -> Optional[mx.array]:
+        B = len(self.offsets_np)
+        uniform = bool((self.offsets_np == self.offsets_np[0]).all())
+        if uniform and self.L == 1 and (window is None or self.Lk <= window):
+            return None  # every key is visible to every row
+        q = self.offsets_np[:, None] + np.arange(self.L)[None]  # (B, L)
+        k = np.arange(self.Lk)[None, None]  # (1, 1, Lk)
+        m = k <= q[:, :, None]
+        if window is not None:
+            m &= k > q[:, :, None] - window
+        return mx.array(m[:, None])  # (B, 1, L, Lk)
+
+
+class PagedKVCache:
+    """One layer's cache for one forward: writes new K/V to the pool, reads the rows back.
+
+    Follows the mlx-lm cache protocol that attention layers use (`offset`,
+    `update_and_fetch`, `make_mask`); the pool holds the only copy of the KV.
+    """
+
+    def __init__(self, pool: KVPool, layer: int, layout: BatchLayout):
+        self.pool = pool
+        self.layer = layer
+        self.layout = layout
+
+    @property
+    def offset(self):
+        return self.layout.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.pool.write(self.layer, self.layout.write_slots, keys, values)
+        return self.pool.read(self.layer, self.layout.table)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        return self.layout.mask(window_size)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def state(self):
+        raise NotImplementedError("paged caches live in the engine's pool")
+
+    def empty(self) -> bool:
+        return False
+
+
+def make_caches(pool: KVPool, layout: BatchLayout) -> List[PagedKVCache]:
+    return [PagedKVCache(pool, i, layout) for i in range(len(pool.specs))]

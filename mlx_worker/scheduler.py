@@ -1,0 +1,227 @@
+"""Continuous batching: admit, chunk prefills, batch decodes, preempt, finish."""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set, Tuple
+
+from .page_manager import PageManager
+from .request import RequestOutput, Sequence, Status
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    length: int
+    samples: bool  # the chunk ends the known tokens, so its last logits give a token
+
+
+@dataclass
+class StepPlan:
+    decode: List[Tuple[Sequence, int]] = field(default_factory=list)  # (seq, position)
+    prefills: List[PrefillChunk] = field(default_factory=list)
+
+    def sampling_rows(self) -> List[Sequence]:
+        return [s for s, _ in self.decode] + [c.seq for c in self.prefills if c.samples]
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefills)
+
+
+class Scheduler:
+    """Decides each step's work; `schedule` runs one step ahead of `process`.
+
+    A step is scheduled before the previous step's tokens are known: decode inputs are
+    lazy, and a request that turns out to have finished simply has its extra token
+    dropped in `process`. Page writes of such a step are harmless: later writes to the
+    same slots are ordered after them through the pool arrays.
+    """
+
+    def __init__(self, pages: PageManager, eos_ids: Set[int], max_running: int, max_batched_tokens: int):
+        self.pages = pages
+        self.page_size = pages.page_size
+        self.eos_ids = set(eos_ids)
+        self.max_running = max_running
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: List[Sequence] = []
+        self.running: List[Sequence] = []
+        self.by_rid: Dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        self._pending_outputs: List[RequestOutput] = []  # finished while scheduling
+
+    # --- requests in and out ---------------------------------------------------
+    def add(self, seq: Sequence) -> Optional[RequestOutput]:
+        """Queue a request; an immediate error output if it can never fit."""
+        capacity = self.pages.num_pages * self.page_size
+        if seq.num_tokens + 1 > capacity:
+            seq.status = Status.FINISHED
+            return self._output(seq, [], "error", f"prompt of {seq.num_tokens} tokens exceeds the KV pool ({capacity} tokens)")
+        if seq.rid in self.by_rid:
+            seq.status = Status.FINISHED
+            return self._output(seq, [], "error", f"duplicate request id {seq.rid!r}")
+        self.by_rid[seq.rid] = seq
+        self.waiting.append(seq)
+        return None
+
+    def abort(self, rid: str) -> Optional[RequestOutput]:
+        seq = self.by_rid.get(rid)
+        if seq is None or seq.status == Status.FINISHED:
+            return None
+        self._finish(seq, "abort")
+        return self._output(seq, [], "abort")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step ----------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._schedule_decode(plan)
+        budget = self.max_batched_tokens - len(plan.decode)
+        for seq in [s for s in self.running if s.next_input is None]:
+            budget -= self._schedule_prefill(plan, seq, budget)
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if seq.num_pending:  # preempted with a token still on the device
+                break
+            if not seq.pages:
+                self._match_prefix(seq)
+            n = self._schedule_prefill(plan, seq, budget)
+            if n == 0:
+                self.pages.release(seq.pages)
+                seq.pages, seq.num_computed, seq.num_published = [], 0, 0
+                break
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            budget -= n
+        return plan
+
+    def _schedule_decode(self, plan: StepPlan) -> None:
+        for seq in list(self.running):
+            if seq.status != Status.RUNNING or seq.next_input is None:
+                continue
+            if seq.num_scheduled_output >= seq.params.max_tokens:
+                continue
+            if not self._reserve(seq, seq.num_computed + 1):
+                continue
+            plan.decode.append((seq, seq.num_computed))
+            seq.num_computed += 1
+            seq.num_tokens += 1
+
+    def _reserve(self, seq: Sequence, n_tokens: int) -> bool:
+        """Pages for n_tokens, preempting the newest requests if the pool is full."""
+        need = -(-n_tokens // self.page_size) - len(seq.pages)
+        while need > 0:
+            new = self.pages.allocate(need)
+            if new is not None:
+                seq.pages += new
+                return True
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                self._finish(seq, "length")  # alone and still too big for the pool
+                self._pending_outputs.append(self._output(seq, [], "length"))
+                return False
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_prefill(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
+        start = seq.num_computed
+        length = min(seq.num_tokens - start, budget)
+        room = (len(seq.pages) + self.pages.available()) * self.page_size - start
+        length = min(length, room)
+        if length <= 0:
+            return 0
+        need = -(-(start + length) // self.page_size) - len(seq.pages)
+        if need > 0:
+            seq.pages += self.pages.allocate(need)
+        samples = start + length == seq.num_tokens
+        plan.prefills.append(PrefillChunk(seq, start, length, samples))
+        seq.num_computed += length
+        if samples:
+            seq.num_tokens += 1
+        self._publish(seq)
+        return length
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        # Leave at least one token to compute: its logits give the next token.
+        n_pages = (seq.num_tokens - 1) // self.page_size
+        first = seq.num_preemptions == 0
+        seq.pages = self.pages.match(seq.full_page_hashes(n_pages), seq.num_tokens if first else 0, count=first)
+        seq.num_published = len(seq.pages)
+        seq.num_computed = len(seq.pages) * self.page_size
+        if first:
+            seq.num_cached = seq.num_computed
+
+    def _publish(self, seq: Sequence) -> None:
+        """Publish the full pages whose tokens are known and whose KV is scheduled."""
+        full = min(seq.num_computed, len(seq.tokens)) // self.page_size
+        if full <= seq.num_published:
+            return
+        hashes = seq.full_page_hashes(full)
+        for i in range(seq.num_published, full):
+            self.pages.publish(seq.pages[i], hashes[i])
+        seq.num_published = full
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self._publish(seq)
+        self.pages.release(seq.pages)
+        seq.pages, seq.num_computed, seq.num_published = [], 0, 0
+        seq.next_input = None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == Status.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.by_rid.pop(seq.rid, None)
+
+    # --- results -----------------------------------------------------------------
+    def process(self, plan: StepPlan, tokens: List[int]) -> List[RequestOutput]:
+        """Apply one step's sampled tokens; outputs for the requests that advanced."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for seq, tok in zip(plan.sampling_rows(), tokens):
+            if seq.status == Status.FINISHED:
+                continue  # finished while this step ran ahead: drop its extra token
+            seq.tokens.append(tok)
+            reason = None
+            if (tok in self.eos_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids:
+                reason = "stop"
+            elif len(seq.tokens) - seq.num_prompt >= seq.params.max_tokens:
+                reason = "length"
+            if reason:
+                self._finish(seq, reason)
+            elif seq.status == Status.RUNNING:
+                self._publish(seq)
+            outputs.append(self._output(seq, [tok], reason))
+        return outputs
+
+    def drain_outputs(self) -> List[RequestOutput]:
+        """Outputs of requests finished while scheduling (e.g. too big for the pool)."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    @staticmethod
+    def _output(seq: Sequence, toks: List[int], reason: Optional[str], error: Optional[str] = None) -> RequestOutput:
+        return RequestOutput(
+            rid=seq.rid,
+            token_ids=toks,
+            finished=reason is not None,
+            finish_reason=reason,
+            error=error,
+            num_prompt_tokens=seq.num_prompt,
+            num_cached_tokens=seq.num_cached,
+            num_output_tokens=len(seq.tokens) - seq.num_prompt,
+        )

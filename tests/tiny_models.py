@@ -1,0 +1,59 @@
+"""Tiny random-weight mlx-lm models for tests: real architectures, loaded in milliseconds."""
+
+import importlib
+import json
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+VOCAB = 49152  # the default model's tokenizer, so tiny models can share it
+WEIGHT_SCALE = 4.0
+
+CONFIGS = {
+    "llama": dict(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    ),
+    "qwen3": dict(
+        model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=VOCAB,
+        max_position_embeddings=4096, head_dim=32, tie_word_embeddings=False, rope_theta=1e6,
+    ),
+    # Sliding-window layers (window 8) interleaved with global ones.
+    "gemma3_text": dict(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=VOCAB,
+        query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=2,
+    ),
+}
+
+
+def make_tiny_model(arch: str, seed: int = 0, dtype=mx.float32):
+    """A random-weight model of mlx-lm's own class for `arch`."""
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    args = module.ModelArgs.from_dict(CONFIGS[arch])
+    mx.random.seed(seed)
+    model = module.Model(args)
+    # Larger weights than the default init make outputs depend on the whole context
+    # (not just the last token) and keep logits peaked, so greedy ties are rare.
+    model.update(tree_map(lambda w: w * WEIGHT_SCALE if w.ndim == 2 else w, model.parameters()))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def save_tiny_model(arch: str, path: Path, tokenizer_dir: Optional[Path] = None, seed: int = 0) -> Path:
+    """Write a tiny model as an mlx-lm directory (weights + config + tokenizer files)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = make_tiny_model(arch, seed)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(CONFIGS[arch]))
+    if tokenizer_dir is not None:
+        for f in Path(tokenizer_dir).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                (path / f.name).write_bytes(f.read_bytes())
+    return path
