@@ -1,0 +1,39 @@
+import asyncio
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import mlx_worker  # noqa: F401,E402  (loads OpenBLAS before mlx on Linux)
+import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+
+from mlx_worker import Request, SamplingParams  # noqa: E402
+
+
+def reference_greedy(model, prompt, n):
+    """mlx-lm's own greedy generation: the ground truth for the engine."""
+    sampler = lambda logits: mx.argmax(logits, axis=-1)  # noqa: E731
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=sampler)]
+
+
+async def collect(engine, request):
+    """All token ids of one request, and its last output."""
+    toks, last = [], None
+    async for out in engine.generate(request):
+        toks += out.token_ids
+        last = out
+    return toks, last
+
+
+def run_requests(engine, prompts, max_tokens, ignore_eos=True):
+    """Run prompts concurrently; [(tokens, last_output)] in prompt order."""
+
+    async def main():
+        reqs = [
+            Request(rid=f"r{i}", prompt_ids=p, params=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+            for i, p in enumerate(prompts)
+        ]
+        return await asyncio.gather(*[collect(engine, r) for r in reqs])
+
+    return asyncio.run(main())

@@ -1,0 +1,84 @@
+"""Greedy tokens from the engine equal mlx-lm's own generation, token for token."""
+
+import random
+
+import pytest
+from conftest import reference_greedy, run_requests
+from tiny_models import make_tiny_model
+
+from mlx_worker import Engine, EngineConfig
+
+ARCHS = ["llama", "qwen3", "gemma3_text"]  # gemma3_text has sliding-window layers
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request):
+    return make_tiny_model(request.param)
+
+
+def prompts(n, lo, hi, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def engine(model, **kw):
+    kw.setdefault("max_total_tokens", 4096)
+    return Engine(EngineConfig(**kw), model=model)
+
+
+def check(model, eng, ps, n):
+    outs = run_requests(eng, ps, n)
+    for p, (toks, last) in zip(ps, outs):
+        assert toks == reference_greedy(model, p, n)
+        assert last.finish_reason == "length" and last.num_output_tokens == n
+    return outs
+
+
+def test_single_request(model):
+    eng = engine(model)
+    check(model, eng, prompts(1, 20, 21), 24)
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_ragged_concurrent_batch(model, overlap):
+    eng = engine(model, overlap=overlap)
+    check(model, eng, prompts(8, 3, 70, seed=1), 20)
+    assert eng.stats()["kv_pages_used"] == 0
+    eng.shutdown()
+
+
+def test_chunked_prefill_with_one_token_final_chunk(model):
+    eng = engine(model, max_batched_tokens=16)
+    check(model, eng, [prompts(1, 33, 34, seed=2)[0]], 12)  # chunks 16 + 16 + 1
+    eng.shutdown()
+
+
+def test_prefix_hit(model):
+    eng = engine(model)
+    shared = prompts(1, 70, 71, seed=3)[0]
+    check(model, eng, [shared + [7, 8, 9]], 8)
+    (toks, last), = check(model, eng, [shared + [11, 12]], 10)
+    assert last.num_cached_tokens == 64  # 4 whole pages of the 70 shared tokens
+    assert eng.stats()["prefix_hit_tokens"] == 64
+    eng.shutdown()
+
+
+def test_prefix_hit_of_a_whole_prompt_recomputes_the_last_token(model):
+    eng = engine(model)
+    p = prompts(1, 32, 33, seed=4)[0]  # exactly two pages
+    check(model, eng, [p], 5)
+    (_, last), = check(model, eng, [p], 5)
+    assert last.num_cached_tokens == 16  # the last page is recomputed for its logits
+    eng.shutdown()
+
+
+def test_preemption_and_resume(model):
+    # 8 pages of 16 tokens; three requests need 3 x 4 pages: someone must be preempted.
+    eng = engine(model, max_total_tokens=128, page_size=16)
+    ps = prompts(3, 20, 24, seed=5)
+    check(model, eng, ps, 40)
+    st = eng.stats()
+    assert st["preemptions"] > 0
+    assert st["kv_pages_used"] == 0
+    eng.shutdown()

@@ -1,0 +1,150 @@
+"""Abort, cancellation, pool accounting and eviction on a running engine."""
+
+import asyncio
+import random
+import time
+
+import pytest
+from conftest import collect, reference_greedy, run_requests
+from tiny_models import make_tiny_model
+
+from mlx_worker import Engine, EngineConfig, Request, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama")
+
+
+def rand_prompt(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def req(rid, prompt, max_tokens, **kw):
+    return Request(rid=rid, prompt_ids=prompt, params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))
+
+
+def test_abort_frees_pages_and_ends_the_stream(model):
+    eng = Engine(EngineConfig(max_total_tokens=2048), model=model)
+
+    async def main():
+        agen = eng.generate(req("long", rand_prompt(40, 1), 10_000))
+        got = 0
+        async for out in agen:
+            got += len(out.token_ids)
+            if got == 5:
+                eng.abort("long")
+            if out.finished:
+                return out, got
+
+    last, got = asyncio.run(main())
+    assert last.finish_reason == "abort" and got < 100
+    st = eng.stats()
+    assert st["running"] == 0 and st["kv_pages_used"] == 0
+    eng.shutdown()
+
+
+def test_cancelled_consumer_aborts_request(model):
+    eng = Engine(EngineConfig(max_total_tokens=2048), model=model)
+
+    async def main():
+        async def consume():
+            async for _ in eng.generate(req("c", rand_prompt(30, 2), 10_000)):
+                pass
+
+        task = asyncio.create_task(consume())
+        while eng.stats()["running"] == 0:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            st = eng.stats()
+            if st["running"] == 0 and st["kv_pages_used"] == 0:
+                return st
+            await asyncio.sleep(0.01)
+        return st
+
+    st = asyncio.run(main())
+    assert st["running"] == 0 and st["kv_pages_used"] == 0
+    eng.shutdown()
+
+
+def test_every_page_free_or_cached_after_mixed_finish_and_abort(model):
+    eng = Engine(EngineConfig(max_total_tokens=1024), model=model)
+
+    async def main():
+        tasks = [asyncio.create_task(collect(eng, req(f"f{i}", rand_prompt(17 + i * 9, i), 6 + i))) for i in range(6)]
+        agen = eng.generate(req("x", rand_prompt(50, 99), 10_000))
+        async for out in agen:
+            if out.num_output_tokens >= 3:
+                break
+        await agen.aclose()
+        return await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    time.sleep(0.2)
+    st = eng.stats()
+    pm = eng.pages
+    assert st["kv_pages_used"] == 0
+    assert all(r == 0 for r in pm.refs)
+    assert len(pm.free) + len(pm.lru) == pm.num_pages
+    assert set(pm.lru) == set(pm.hash_of)
+    eng.shutdown()
+
+
+def test_eviction_under_pressure_keeps_outputs_correct(model):
+    eng = Engine(EngineConfig(max_total_tokens=160, page_size=16), model=model)  # 10 pages
+    for seed in range(4):
+        p = rand_prompt(60, 10 + seed)
+        (toks, _), = run_requests(eng, [p], 8)
+        assert toks == reference_greedy(model, p, 8)
+    st = eng.stats()
+    assert st["evictions"] > 0 and st["kv_pages_used"] == 0
+    eng.shutdown()
+
+
+def test_prompt_larger_than_pool_is_an_error_not_a_crash(model):
+    eng = Engine(EngineConfig(max_total_tokens=64), model=model)
+    (toks, last), = run_requests(eng, [rand_prompt(100, 3)], 4)
+    assert toks == [] and last.finish_reason == "error" and "exceeds" in last.error
+    (toks, last), = run_requests(eng, [rand_prompt(10, 4)], 4)  # still serving
+    assert len(toks) == 4
+    eng.shutdown()
+
+
+def test_eos_stops_and_stop_token_ids(model):
+    p = rand_prompt(20, 5)
+    ref = reference_greedy(model, p, 12)
+    eng = Engine(EngineConfig(max_total_tokens=1024), model=model)
+    toks, last = asyncio.run(collect(eng, req("s", p, 12, stop_token_ids=[ref[4]])))
+    k = ref.index(ref[4])
+    assert toks == ref[: k + 1] and last.finish_reason == "stop"
+    assert eng.stats()["kv_pages_used"] == 0
+    eng.shutdown()
+
+
+def test_engine_never_blocks_the_event_loop(model):
+    eng = Engine(EngineConfig(max_total_tokens=4096), model=model)
+
+    async def main():
+        gaps, stop = [], False
+
+        async def ticker():
+            t = time.perf_counter()
+            while not stop:
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - t)
+                t = now
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.gather(*[collect(eng, req(f"b{i}", rand_prompt(200, i), 30)) for i in range(8)])
+        stop = True
+        await tick
+        return gaps
+
+    gaps = asyncio.run(main())
+    assert len(gaps) > 10 and max(gaps) < 0.25
+    eng.shutdown()
