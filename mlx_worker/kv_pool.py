@@ -65,8 +65,10 @@ def pool_pages(
 class KVPool:
     """K and V storage of `num_pages * page_size` token slots for every layer.
 
-    Slot `page * page_size + i` holds position i of a page. Writes are in-place scatters
-    (MLX donates the buffer), reads gather a batch's slots in position order.
+    Slot `page * page_size + i` holds position i of a page. Each layer's arrays are laid
+    out (heads, slots, dim), so one broadcast index writes a (B, H, L, D) block in place
+    (MLX donates the buffer) and one gather reads (B, H, Lk, D) contiguously, the layout
+    attention wants.
     """
 
     def __init__(self, specs: List[LayerSpec], dtype: mx.Dtype, num_pages: int, page_size: int):
@@ -74,9 +76,11 @@ class KVPool:
         self.page_size = page_size
         self.num_pages = num_pages
         n = num_pages * page_size
-        self.keys = [mx.zeros((n, s.n_kv_heads, s.k_dim), dtype) for s in specs]
-        self.values = [mx.zeros((n, s.n_kv_heads, s.v_dim), dtype) for s in specs]
-        mx.eval(self.keys, self.values)
+        self.keys = [mx.zeros((s.n_kv_heads, n, s.k_dim), dtype) for s in specs]
+        self.values = [mx.zeros((s.n_kv_heads, n, s.v_dim), dtype) for s in specs]
+        self._heads = {h: mx.arange(h)[None, :, None] for h in {s.n_kv_heads for s in specs}}
+        # Evaluated now: a lazy array made on this thread can't be evaluated on the engine's.
+        mx.eval(self.keys, self.values, list(self._heads.values()))
 
     @property
     def nbytes(self) -> int:
@@ -86,13 +90,12 @@ class KVPool:
         return self.keys + self.values
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """keys/values: (B, H, L, D) for the slots (B * L,) in row-major order."""
-        B, H, L, _ = keys.shape
-        self.keys[layer][slots] = keys.swapaxes(1, 2).reshape(B * L, H, -1)
-        self.values[layer][slots] = values.swapaxes(1, 2).reshape(B * L, H, -1)
+        """Store keys/values (B, H, L, D) at `slots` (B, 1, L)."""
+        heads = self._heads[keys.shape[1]]
+        self.keys[layer][heads, slots] = keys
+        self.values[layer][heads, slots] = values
 
     def read(self, layer: int, table: mx.array):
-        """K and V of the slots in `table` (B, Lk), as (B, H, Lk, D)."""
-        k = self.keys[layer][table].swapaxes(1, 2)
-        v = self.values[layer][table].swapaxes(1, 2)
-        return k, v
+        """K and V (B, H, Lk, D) of the slots in `table` (B, 1, Lk)."""
+        heads = self._heads[self.keys[layer].shape[0]]
+        return self.keys[layer][heads, table], self.values[layer][heads, table]

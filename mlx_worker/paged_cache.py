@@ -31,8 +31,8 @@ class BatchLayout:
         self.L = L
         self.Lk = Lk
         self.offsets_np = offs
-        self.write_slots = mx.array(writes.reshape(-1).astype(np.int32))
-        self.table = mx.array(table.astype(np.int32))
+        self.write_slots = mx.array(writes[:, None].astype(np.int32))  # (B, 1, L)
+        self.table = mx.array(table[:, None].astype(np.int32))  # (B, 1, Lk)
         self.offset = mx.array(offs.astype(np.int32)) if B > 1 else int(offs[0])
         self._masks: Dict[Optional[int], Optional[mx.array]] = {}
 
