@@ -6,6 +6,7 @@ preload_openblas()  # before mlx loads, so its BLAS calls bind to OpenBLAS on Li
 
 from .engine import Engine, EngineConfig  # noqa: E402
 from .paging import PAGE_SIZE, page_hashes  # noqa: E402
-from .request import Request, RequestOutput, SamplingParams  # noqa: E402
+from .request import Request, RequestOutput  # noqa: E402
+from .sampling import SamplingParams  # noqa: E402
 
 __all__ = ["Engine", "EngineConfig", "Request", "RequestOutput", "SamplingParams", "PAGE_SIZE", "page_hashes"]

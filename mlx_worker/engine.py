@@ -14,6 +14,7 @@ from .kv_pool import KVPool, kv_bytes_per_token, pool_pages, probe_layers
 from .loader import load_model
 from .page_manager import PageManager
 from .paging import PAGE_SIZE
+from .detokenizer import IncrementalDetokenizer
 from .request import Request, RequestOutput, Sequence
 from .scheduler import Scheduler
 from .worker import Worker
@@ -41,7 +42,7 @@ class Engine:
         if model is None:
             model, tokenizer = load_model(config.model, config.dtype)
         self.model, self.tokenizer = model, tokenizer
-        specs, dtype = probe_layers(model)
+        specs, dtype, self.vocab_size = probe_layers(model)
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         num_pages = pool_pages(
             specs, dtype, config.page_size, weights, config.kv_memory_fraction, config.max_total_tokens
@@ -50,7 +51,7 @@ class Engine:
         self.pages = PageManager(num_pages, config.page_size)
         eos = set(getattr(tokenizer, "eos_token_ids", None) or []) if tokenizer is not None else set()
         self.scheduler = Scheduler(self.pages, eos, config.max_running_requests, config.max_batched_tokens)
-        self.worker = Worker(model, self.pool)
+        self.worker = Worker(model, self.pool, self.vocab_size, sorted(eos))
         self.kv_bytes_per_token = kv_bytes_per_token(specs, dtype)
         self.num_steps = 0
 
@@ -63,11 +64,52 @@ class Engine:
         self._thread.start()
 
     # --- public API ----------------------------------------------------------------
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Stream outputs (new token ids) until the request finishes. Closing the
-        iterator early (client gone, task cancelled) aborts the request."""
+    async def generate(self, request: Request, detokenize: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream outputs until the request finishes: new token ids, and their text when
+        the engine has a tokenizer. With n > 1 the samples (`out.index`) interleave; the
+        stream ends when all have finished. Closing the iterator early (client gone,
+        task cancelled) aborts the request."""
+        params = request.params
+        params.check_vocab(self.vocab_size)
+        if params.stop and (self.tokenizer is None or not detokenize):
+            raise ValueError("stop strings need the engine's tokenizer")
+        if params.n == 1:
+            async for out in self._generate_one(request, 0, detokenize):
+                yield out
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int):
+            seed = None if params.seed is None else params.seed + i
+            sub = Request(rid=f"{request.rid}#{i}", prompt_ids=request.prompt_ids,
+                          params=params.model_copy(update={"n": 1, "seed": seed}))
+            try:
+                async for out in self._generate_one(sub, i, detokenize):
+                    await merged.put(out)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await merged.put(e)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(params.n)]
+        try:
+            done = 0
+            while done < params.n:
+                out = await merged.get()
+                if isinstance(out, BaseException):
+                    raise out
+                out.rid = request.rid
+                done += out.finished
+                yield out
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _generate_one(self, request: Request, index: int, detokenize: bool) -> AsyncIterator[RequestOutput]:
         if self._error is not None:
             raise RuntimeError("engine loop died") from self._error
+        detok = None
+        if detokenize and self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.params.stop)
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[request.rid] = (loop, sink)
@@ -78,7 +120,18 @@ class Engine:
                 out = await sink.get()
                 if isinstance(out, BaseException):
                     raise RuntimeError("engine loop died") from out
+                out.index = index
                 finished = out.finished
+                if detok is not None:
+                    out.text = detok.add(out.token_ids)
+                    if detok.stopped is not None and not finished:
+                        self.abort(request.rid)
+                        out.finished, out.finish_reason, out.stop_reason = True, "stop", detok.stopped
+                        finished = True
+                    elif finished and detok.stopped is None:
+                        out.text += detok.flush()
+                    elif detok.stopped is not None:
+                        out.finish_reason, out.stop_reason = "stop", detok.stopped
                 yield out
         finally:
             self._sinks.pop(request.rid, None)

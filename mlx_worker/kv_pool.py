@@ -16,10 +16,11 @@ class LayerSpec:
     window: Optional[int] = None  # sliding-window size, None for full attention
 
 
-def probe_layers(model) -> Tuple[List[LayerSpec], mx.Dtype]:
-    """Each layer's KV shape, and the KV dtype, from one token through mlx-lm's caches."""
+def probe_layers(model) -> Tuple[List[LayerSpec], mx.Dtype, int]:
+    """Each layer's KV shape, the KV dtype and the vocabulary (logits) size, from one
+    token through mlx-lm's own caches."""
     caches = mlx_cache.make_prompt_cache(model)
-    model(mx.array([[0]]), cache=caches)
+    vocab = model(mx.array([[0]]), cache=caches).shape[-1]
     specs = []
     for c in caches:
         if not isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache)):
@@ -29,7 +30,7 @@ def probe_layers(model) -> Tuple[List[LayerSpec], mx.Dtype]:
         k, v = c.keys, c.values
         window = c.max_size if isinstance(c, mlx_cache.RotatingKVCache) else None
         specs.append(LayerSpec(k.shape[1], k.shape[3], v.shape[3], window))
-    return specs, caches[0].keys.dtype
+    return specs, caches[0].keys.dtype, vocab
 
 
 def kv_bytes_per_token(specs: List[LayerSpec], dtype: mx.Dtype) -> int:

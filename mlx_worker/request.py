@@ -1,22 +1,17 @@
 """Requests in and outputs out of the engine, and the per-request state it keeps."""
 
 import itertools
+import secrets
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import List, Optional
+from typing import List, Optional, Tuple, Union
 
 import mlx.core as mx
+import numpy as np
 from pydantic import BaseModel, Field
 
 from .paging import page_hashes
-
-
-class SamplingParams(BaseModel):
-    """How to pick tokens and when to stop (greedy for now)."""
-
-    max_tokens: int = Field(16, ge=1)
-    stop_token_ids: List[int] = Field(default_factory=list)
-    ignore_eos: bool = False
+from .sampling import SamplingParams
 
 
 class Request(BaseModel):
@@ -35,6 +30,11 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    logprobs: Optional[List[float]] = None  # one per token in token_ids
+    top_logprobs: Optional[List[List[Tuple[int, float]]]] = None
+    index: int = 0  # which of the request's n samples
+    text: str = ""  # new text (filled in by the engine facade)
+    stop_reason: Optional[Union[str, int]] = None  # the stop string or token that matched
 
 
 class Status(Enum):
@@ -72,9 +72,28 @@ class Sequence:
     num_cached: int = 0
     num_preemptions: int = 0
     finish_reason: Optional[str] = None
+    seed: int = 0
+    counts: Optional[mx.array] = None  # output token counts (presence/frequency penalties)
+    seen: Optional[mx.array] = None  # tokens seen so far (repetition penalty)
+    bias: Optional[np.ndarray] = None  # dense logit_bias
 
     def __post_init__(self):
         self.num_tokens = len(self.tokens)
+        self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(32)
+
+    def init_sampling_state(self, vocab: int) -> None:
+        """Dense per-request arrays, made only for the parameters that need them."""
+        p = self.params
+        if p.logit_bias and self.bias is None:
+            self.bias = np.zeros(vocab, np.float32)
+            for tok, b in p.logit_bias.items():
+                self.bias[tok] = b
+        if (p.presence_penalty or p.frequency_penalty) and self.counts is None:
+            self.counts = mx.zeros((vocab,))
+        if p.repetition_penalty != 1.0 and self.seen is None:
+            seen = np.zeros(vocab, bool)
+            seen[[t for t in self.tokens if t < vocab]] = True
+            self.seen = mx.array(seen)
 
     @classmethod
     def from_request(cls, req: Request, page_size: int) -> "Sequence":

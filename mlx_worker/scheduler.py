@@ -189,23 +189,30 @@ class Scheduler:
         self.by_rid.pop(seq.rid, None)
 
     # --- results -----------------------------------------------------------------
-    def process(self, plan: StepPlan, tokens: List[int]) -> List[RequestOutput]:
-        """Apply one step's sampled tokens; outputs for the requests that advanced."""
+    def process(self, plan: StepPlan, step) -> List[RequestOutput]:
+        """Apply one step's sampled tokens (a worker.StepTokens); outputs for the
+        requests that advanced."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        for seq, tok in zip(plan.sampling_rows(), tokens):
+        for i, (seq, tok) in enumerate(zip(plan.sampling_rows(), step.tokens)):
             if seq.status == Status.FINISHED:
                 continue  # finished while this step ran ahead: drop its extra token
             seq.tokens.append(tok)
-            reason = None
+            reason, stop_reason = None, None
             if (tok in self.eos_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids:
-                reason = "stop"
+                reason, stop_reason = "stop", tok
             elif len(seq.tokens) - seq.num_prompt >= seq.params.max_tokens:
                 reason = "length"
             if reason:
                 self._finish(seq, reason)
             elif seq.status == Status.RUNNING:
                 self._publish(seq)
-            outputs.append(self._output(seq, [tok], reason))
+            out = self._output(seq, [tok], reason)
+            out.stop_reason = stop_reason
+            if seq.params.logprobs and step.logprobs is not None:
+                out.logprobs = [step.logprobs[i]]
+                if seq.params.top_logprobs and step.top is not None:
+                    out.top_logprobs = [step.top[i][: seq.params.top_logprobs]]
+            outputs.append(out)
         return outputs
 
     def drain_outputs(self) -> List[RequestOutput]:

@@ -1,65 +1,97 @@
 """Builds each step's forward passes lazily and runs them on the device asynchronously."""
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from .kv_pool import KVPool
 from .paged_cache import BatchLayout, make_caches
+from .request import Sequence
+from .sampling import SampleResult, SamplerRow, sample
 from .scheduler import StepPlan
-
-
-def greedy(logits: mx.array) -> mx.array:
-    return mx.argmax(logits, axis=-1).astype(mx.int32)
 
 
 @dataclass
 class InFlightStep:
     plan: StepPlan
-    tokens: Optional[mx.array]  # one sampled token per sampling row, still lazy
+    result: Optional[SampleResult]  # one token per sampling row, still lazy
+
+
+@dataclass
+class StepTokens:
+    tokens: List[int]
+    logprobs: Optional[List[float]] = None
+    top: Optional[List[List[tuple]]] = None  # [(id, logprob)] per row
 
 
 class Worker:
-    """Runs a StepPlan: one batched decode forward plus one forward per prefill chunk.
+    """Runs a StepPlan: one batched decode forward plus one forward per prefill chunk,
+    then samples every row that ends its known tokens, in one sampler call.
 
     `launch` only builds the graph and calls `mx.async_eval`; the next step can then be
     built on the still-lazy tokens (each decoding sequence's `next_input`) while the
     device works. `finalize` waits for the tokens and returns them as ints.
     """
 
-    def __init__(self, model, pool: KVPool):
+    def __init__(self, model, pool: KVPool, vocab_size: int, stop_ids: List[int]):
         self.model = model
         self.pool = pool
+        self.vocab = vocab_size
+        self.stop_ids = list(stop_ids)
 
     def launch(self, plan: StepPlan) -> InFlightStep:
         P = self.pool.page_size
-        sampled = []
+        last_logits = []
         if plan.decode:
             seqs = [s for s, _ in plan.decode]
             inputs = mx.concatenate([s.next_input for s in seqs])[:, None]
             layout = BatchLayout([s.pages for s in seqs], [p for _, p in plan.decode], 1, P)
-            logits = self.model(inputs, cache=make_caches(self.pool, layout))
-            sampled.append(greedy(logits[:, -1, :]))
+            last_logits.append(self.model(inputs, cache=make_caches(self.pool, layout))[:, -1, :])
         for chunk in plan.prefills:
             seq = chunk.seq
             inputs = mx.array(seq.tokens[chunk.start : chunk.start + chunk.length])[None]
             layout = BatchLayout([seq.pages], [chunk.start], chunk.length, P)
             logits = self.model(inputs, cache=make_caches(self.pool, layout))
             if chunk.samples:
-                sampled.append(greedy(logits[:, -1, :]))
-        tokens = None
-        if sampled:
-            tokens = mx.concatenate(sampled) if len(sampled) > 1 else sampled[0]
-            for i, seq in enumerate(plan.sampling_rows()):
-                seq.next_input = tokens[i : i + 1]
-            mx.async_eval(tokens, *self.pool.arrays())
-        else:
+                last_logits.append(logits[:, -1, :])
+        if not last_logits:
             mx.async_eval(*self.pool.arrays())
-        return InFlightStep(plan, tokens)
+            return InFlightStep(plan, None)
 
-    def finalize(self, step: InFlightStep) -> List[int]:
-        if step.tokens is None:
+        seqs = plan.sampling_rows()
+        positions = [p for _, p in plan.decode] + [c.start + c.length - 1 for c in plan.prefills if c.samples]
+        rows = [self._row(s, pos + 1 - s.num_prompt) for s, pos in zip(seqs, positions)]
+        logits = mx.concatenate(last_logits) if len(last_logits) > 1 else last_logits[0]
+        result = sample(logits, rows)
+        for i, seq in enumerate(seqs):
+            seq.next_input = result.tokens[i : i + 1]
+            if result.counts is not None and seq.counts is not None:
+                seq.counts = result.counts[i]
+            if result.seen is not None and seq.seen is not None:
+                seq.seen = result.seen[i]
+        mx.async_eval(*result.arrays(), *self.pool.arrays())
+        return InFlightStep(plan, result)
+
+    def _row(self, seq: Sequence, step: int) -> SamplerRow:
+        seq.init_sampling_state(self.vocab)
+        p = seq.params
+        additive = seq.bias
+        if step < p.min_tokens:  # no stopping yet: hide EOS and stop tokens
+            additive = np.zeros(self.vocab, np.float32) if additive is None else additive.copy()
+            stop = ([] if p.ignore_eos else self.stop_ids) + p.stop_token_ids
+            additive[[t for t in stop if t < self.vocab]] = -np.inf
+        return SamplerRow(p, seq.seed, step, seq.counts, seq.seen, additive)
+
+    def finalize(self, step: InFlightStep) -> StepTokens:
+        r = step.result
+        if r is None:
             mx.eval(*self.pool.arrays())
-            return []
-        return step.tokens.tolist()
+            return StepTokens([])
+        out = StepTokens(r.tokens.tolist())
+        if r.logprobs is not None:
+            out.logprobs = r.logprobs.tolist()
+        if r.top_ids is not None:
+            out.top = [list(zip(i, v)) for i, v in zip(r.top_ids.tolist(), r.top_logprobs.tolist())]
+        return out

@@ -31,7 +31,7 @@ def run_requests(engine, prompts, max_tokens, ignore_eos=True):
 
     async def main():
         reqs = [
-            Request(rid=f"r{i}", prompt_ids=p, params=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+            Request(rid=f"r{i}", prompt_ids=p, params=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0))
             for i, p in enumerate(prompts)
         ]
         return await asyncio.gather(*[collect(engine, r) for r in reqs])

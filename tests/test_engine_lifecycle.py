@@ -22,7 +22,7 @@ def rand_prompt(n, seed):
 
 
 def req(rid, prompt, max_tokens, **kw):
-    return Request(rid=rid, prompt_ids=prompt, params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))
+    return Request(rid=rid, prompt_ids=prompt, params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, **kw))
 
 
 def test_abort_frees_pages_and_ends_the_stream(model):
