@@ -61,13 +61,13 @@ def bench_batch_generator(model, ps, out_len):
     return {"e2e": n / (t1 - t0), "decode": (n - n_at_first) / (t1 - first_all), "tokens": n}
 
 
-async def _engine_run(engine, ps, out_len, tag):
+async def _engine_run(engine, ps, out_len, tag, temperature=0.0, top_p=1.0):
     t0 = time.perf_counter()
     firsts, counts = {}, {}
 
     async def one(i, p):
         rid = f"{tag}-{i}"
-        async for out in engine.generate(Request(rid=rid, prompt_ids=p, params=SamplingParams(max_tokens=out_len, ignore_eos=True))):
+        async for out in engine.generate(Request(rid=rid, prompt_ids=p, params=SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=temperature, top_p=top_p))):
             counts[rid] = counts.get(rid, 0) + len(out.token_ids)
             firsts.setdefault(rid, time.perf_counter())
             if len(firsts) == len(ps) and "all" not in firsts:
@@ -82,8 +82,8 @@ async def _engine_run(engine, ps, out_len, tag):
     return {"e2e": n / (t1 - t0), "decode": decode, "tokens": n, "ttft": ttft}
 
 
-def bench_engine(engine, ps, out_len, tag):
-    return asyncio.run(_engine_run(engine, ps, out_len, tag))
+def bench_engine(engine, ps, out_len, tag, temperature=0.0, top_p=1.0):
+    return asyncio.run(_engine_run(engine, ps, out_len, tag, temperature, top_p))
 
 
 def main():
@@ -124,6 +124,15 @@ def main():
     print("\n## Ratios (macfarm / peer, e2e tok/s)")
     for c, (bg, en) in results.items():
         print(f"concurrency {c:>3}: vs BatchGenerator {en['e2e'] / bg['e2e']:.2f}x")
+    # Sampling cost: temperature + top-p at the highest concurrency, same prompts as greedy.
+    c = max(args.concurrency)
+    ps = prompts(c, args.prompt_len, seed=20 + c)
+    greedy = results[c][1]
+    samp = bench_engine(engine, [p[:] for p in ps], args.output_len, "samp", temperature=0.7, top_p=0.9)
+    print(f"\n## Sampling cost at concurrency {c} (macfarm engine)")
+    print(f"greedy {greedy['e2e']:.1f} tok/s e2e, {greedy['decode']:.1f} decode   "
+          f"temperature 0.7 + top_p 0.9 {samp['e2e']:.1f} e2e, {samp['decode']:.1f} decode   "
+          f"ratio {samp['decode'] / greedy['decode']:.2f}x (target >= 0.90x)")
     if 1 in results:
         en1 = results[1][1]
         print(f"batch 1 decode: vs stream_generate {en1['decode'] / sg['decode']:.2f}x "

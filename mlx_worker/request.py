@@ -75,7 +75,6 @@ class Sequence:
     seed: int = 0
     counts: Optional[mx.array] = None  # output token counts (presence/frequency penalties)
     seen: Optional[mx.array] = None  # tokens seen so far (repetition penalty)
-    bias: Optional[np.ndarray] = None  # dense logit_bias
 
     def __post_init__(self):
         self.num_tokens = len(self.tokens)
@@ -84,10 +83,6 @@ class Sequence:
     def init_sampling_state(self, vocab: int) -> None:
         """Dense per-request arrays, made only for the parameters that need them."""
         p = self.params
-        if p.logit_bias and self.bias is None:
-            self.bias = np.zeros(vocab, np.float32)
-            for tok, b in p.logit_bias.items():
-                self.bias[tok] = b
         if (p.presence_penalty or p.frequency_penalty) and self.counts is None:
             self.counts = mx.zeros((vocab,))
         if p.repetition_penalty != 1.0 and self.seen is None:

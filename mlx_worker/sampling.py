@@ -96,7 +96,7 @@ class SamplerRow:
     step: int  # output index of the token being sampled
     counts: Optional[mx.array] = None  # (V,) output token counts, for presence/frequency
     seen: Optional[mx.array] = None  # (V,) bool, prompt + output, for repetition penalty
-    additive: Optional[np.ndarray] = None  # (V,) logit bias / suppressed ids / grammar mask
+    additive: Optional[np.ndarray] = None  # (V,) added to logits: -inf hides tokens
 
 
 @dataclass
@@ -131,11 +131,13 @@ def sample(logits: mx.array, rows: List[SamplerRow]) -> SampleResult:
         freq = mx.array([p.frequency_penalty for p in ps])[:, None]
         logits = logits - pres * (counts > 0) - freq * counts
         res.counts = counts
-    if any(r.additive is not None for r in rows):
+    if any(r.additive is not None or r.params.logit_bias for r in rows):
         add = np.zeros((R, V), np.float32)
         for i, r in enumerate(rows):
             if r.additive is not None:
                 add[i, : len(r.additive)] = r.additive[:V]
+            for tok, b in r.params.logit_bias.items():
+                add[i, tok] += b
         logits = logits + mx.array(add)
 
     greedy_tok = mx.argmax(logits, axis=-1)

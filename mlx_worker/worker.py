@@ -77,9 +77,9 @@ class Worker:
     def _row(self, seq: Sequence, step: int) -> SamplerRow:
         seq.init_sampling_state(self.vocab)
         p = seq.params
-        additive = seq.bias
+        additive = None
         if step < p.min_tokens:  # no stopping yet: hide EOS and stop tokens
-            additive = np.zeros(self.vocab, np.float32) if additive is None else additive.copy()
+            additive = np.zeros(self.vocab, np.float32)
             stop = ([] if p.ignore_eos else self.stop_ids) + p.stop_token_ids
             additive[[t for t in stop if t < self.vocab]] = -np.inf
         return SamplerRow(p, seq.seed, step, seq.counts, seq.seen, additive)

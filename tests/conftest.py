@@ -37,3 +37,17 @@ def run_requests(engine, prompts, max_tokens, ignore_eos=True):
         return await asyncio.gather(*[collect(engine, r) for r in reqs])
 
     return asyncio.run(main())
+
+
+_TOKENIZER = []
+
+
+def default_tokenizer():
+    """The default model's real tokenizer (mlx-lm wrapper), loaded once."""
+    if not _TOKENIZER:
+        from mlx_lm.utils import load_tokenizer
+
+        from mlx_worker.gguf import default_model_path
+
+        _TOKENIZER.append(load_tokenizer(default_model_path()))
+    return _TOKENIZER[0]

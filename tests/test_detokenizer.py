@@ -1,0 +1,51 @@
+"""Incremental detokenization with the default model's real tokenizer."""
+
+import pytest
+from conftest import default_tokenizer
+
+from mlx_worker.detokenizer import IncrementalDetokenizer
+
+TEXT = "Héllo wörld! 日本語のテキスト 🚀🎉 naïve café, then: stop here please."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return default_tokenizer()
+
+
+def stream(tok, text, stop=()):
+    ids = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, [], stop)
+    deltas = [d.add([i]) for i in ids]
+    if d.stopped is None:
+        deltas.append(d.flush())
+    return deltas, d
+
+
+def test_deltas_join_to_the_full_text_and_never_split_characters(tok):
+    deltas, _ = stream(tok, TEXT)
+    assert "".join(deltas) == TEXT
+    assert not any("\ufffd" in x for x in deltas)
+    assert sum(1 for x in deltas if x == "") > 0  # some tokens were partial characters
+
+
+def test_stop_string_split_across_tokens_is_never_emitted(tok):
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    stop = "p here"
+    pieces = [tok.decode([i]) for i in ids]
+    assert stop not in pieces  # the stop spans several tokens
+    deltas, d = stream(tok, TEXT, stop=[stop, "zzz"])
+    assert "".join(deltas) == TEXT[: TEXT.index(stop)]
+    assert d.stopped == stop
+
+
+def test_earliest_stop_string_wins(tok):
+    deltas, d = stream(tok, TEXT, stop=["please", "café"])
+    assert d.stopped == "café" and "".join(deltas) == TEXT[: TEXT.index("café")]
+
+
+def test_leading_space_of_a_continuation_is_kept(tok):
+    prompt = tok.encode("Say", add_special_tokens=False)
+    ids = tok.encode(" hello there", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, prompt)
+    assert "".join(d.add([i]) for i in ids) + d.flush() == " hello there"
