@@ -15,6 +15,7 @@ from .loader import load_model
 from .page_manager import PageManager
 from .paging import PAGE_SIZE
 from .detokenizer import IncrementalDetokenizer
+from .grammar import GrammarCompiler
 from .request import Request, RequestOutput, Sequence
 from .scheduler import Scheduler
 from .worker import Worker
@@ -54,6 +55,7 @@ class Engine:
         self.worker = Worker(model, self.pool, self.vocab_size, sorted(eos))
         self.kv_bytes_per_token = kv_bytes_per_token(specs, dtype)
         self.num_steps = 0
+        self._grammars = None
 
         self._commands: "queue.Queue[Tuple[str, object]]" = queue.Queue()
         self._sinks: Dict[str, Tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -107,13 +109,16 @@ class Engine:
     async def _generate_one(self, request: Request, index: int, detokenize: bool) -> AsyncIterator[RequestOutput]:
         if self._error is not None:
             raise RuntimeError("engine loop died") from self._error
+        matcher = None
+        if request.params.structured is not None:
+            matcher = self._grammar_compiler().compile(request.params.structured).new_matcher()
         detok = None
         if detokenize and self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.params.stop)
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[request.rid] = (loop, sink)
-        self._commands.put(("add", request))
+        self._commands.put(("add", (request, matcher)))
         finished = False
         try:
             while not finished:
@@ -180,6 +185,8 @@ class Engine:
         while not self._stop.is_set():
             idle = not inflight and not self.scheduler.has_work()
             self._apply_commands(block=idle)
+            if inflight and self.scheduler.needs_sync():
+                self._finish_step(inflight.popleft())
             with self._lock:
                 plan = self.scheduler.schedule()
                 if plan:
@@ -188,11 +195,20 @@ class Engine:
                 early = self.scheduler.drain_outputs()
             self._deliver(early)
             if inflight and (len(inflight) > 1 or not plan or not self.config.overlap):
-                step = inflight.popleft()
-                tokens = self.worker.finalize(step)
-                with self._lock:
-                    outputs = self.scheduler.process(step.plan, tokens)
-                self._deliver(outputs)
+                self._finish_step(inflight.popleft())
+
+    def _finish_step(self, step) -> None:
+        tokens = self.worker.finalize(step)
+        with self._lock:
+            outputs = self.scheduler.process(step.plan, tokens)
+        self._deliver(outputs)
+
+    def _grammar_compiler(self):
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the engine's tokenizer")
+            self._grammars = GrammarCompiler(self.tokenizer, vocab_size=self.vocab_size)
+        return self._grammars
 
     def _apply_commands(self, block: bool) -> None:
         outputs = []
@@ -204,7 +220,9 @@ class Engine:
             block = False
             with self._lock:
                 if cmd == "add":
-                    out = self.scheduler.add(Sequence.from_request(arg, self.config.page_size))
+                    seq = Sequence.from_request(arg[0], self.config.page_size)
+                    seq.matcher = arg[1]
+                    out = self.scheduler.add(seq)
                 elif cmd == "abort":
                     out = self.scheduler.abort(arg)
                 else:

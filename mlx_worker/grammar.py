@@ -106,6 +106,8 @@ class GrammarCompiler:
             eos_token_ids = getattr(tokenizer, "eos_token_ids", None) or []
             if not eos_token_ids and getattr(hf, "eos_token_id", None) is not None:
                 eos_token_ids = [hf.eos_token_id]
+        if isinstance(eos_token_ids, int):
+            eos_token_ids = [eos_token_ids]
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         if not self.eos_token_ids:
             raise ValueError("GrammarCompiler needs at least one EOS token id")

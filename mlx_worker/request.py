@@ -75,6 +75,7 @@ class Sequence:
     seed: int = 0
     counts: Optional[mx.array] = None  # output token counts (presence/frequency penalties)
     seen: Optional[mx.array] = None  # tokens seen so far (repetition penalty)
+    matcher: Optional[object] = None  # grammar.Matcher of a structured-output request
 
     def __post_init__(self):
         self.num_tokens = len(self.tokens)

@@ -8,6 +8,8 @@ import mlx.core as mx
 import numpy as np
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from .grammar import GrammarSpec
+
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 
@@ -32,6 +34,7 @@ class SamplingParams(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    structured: Optional[GrammarSpec] = None  # JSON schema / JSON object / regex / choice
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -85,7 +88,8 @@ def gumbel_noise(seeds: mx.array, steps: mx.array, vocab: int) -> mx.array:
     seeded request samples the same tokens whatever the batch, chunking or preemption."""
     row = _fmix32(seeds.astype(mx.uint32) ^ _fmix32(steps.astype(mx.uint32) * mx.array(0x9E3779B9, mx.uint32)))
     bits = _fmix32(row[:, None] ^ _fmix32(mx.arange(vocab, dtype=mx.uint32)[None] + mx.array(0x632BE5AB, mx.uint32)))
-    u = ((bits >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 bits + 0.5 is exact in float32, so 0 < u < 1 strictly (u == 1 would give +inf).
+    u = ((bits >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
     return -mx.log(-mx.log(u))
 
 

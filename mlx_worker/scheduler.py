@@ -72,6 +72,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def needs_sync(self) -> bool:
+        """A grammar needs the previous token before it can mask the next step."""
+        return any(s.matcher is not None for s in self.running)
+
     # --- one step ----------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -200,6 +204,8 @@ class Scheduler:
             reason, stop_reason = None, None
             if (tok in self.eos_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids:
                 reason, stop_reason = "stop", tok
+            elif seq.matcher is not None and (not seq.matcher.advance(tok) or seq.matcher.is_terminated()):
+                reason = "stop"  # the grammar is complete: nothing but EOS could follow
             elif len(seq.tokens) - seq.num_prompt >= seq.params.max_tokens:
                 reason = "length"
             if reason:

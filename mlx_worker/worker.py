@@ -82,6 +82,9 @@ class Worker:
             additive = np.zeros(self.vocab, np.float32)
             stop = ([] if p.ignore_eos else self.stop_ids) + p.stop_token_ids
             additive[[t for t in stop if t < self.vocab]] = -np.inf
+        if seq.matcher is not None:  # the matcher has seen every earlier token (engine syncs)
+            allowed = seq.matcher.allowed()
+            additive = np.where(allowed, 0.0, -np.inf).astype(np.float32) + (0 if additive is None else additive)
         return SamplerRow(p, seq.seed, step, seq.counts, seq.seen, additive)
 
     def finalize(self, step: InFlightStep) -> StepTokens:

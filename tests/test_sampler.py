@@ -128,3 +128,19 @@ def test_unknown_token_ids_are_rejected():
         SamplingParams(logit_bias={10**6: 1.0}).check_vocab(1000)
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[-1]).check_vocab(1000)
+
+
+def test_gumbel_noise_is_finite_for_every_hash_value():
+    from mlx_worker.sampling import gumbel_noise
+
+    g = gumbel_noise(mx.arange(64, dtype=mx.uint32), mx.arange(64, dtype=mx.uint32), 50000)
+    assert bool(mx.all(mx.isfinite(g)).item())
+
+
+def test_masked_tokens_are_never_sampled():
+    rng = np.random.default_rng(3)
+    add = np.full(1000, -np.inf, np.float32)
+    add[[5, 7]] = 0
+    rows = [SamplerRow(SamplingParams(), seed=s, step=t, additive=add) for s in range(20) for t in range(20)]
+    toks = sample(mx.array(rng.normal(size=(400, 1000)).astype(np.float32)), rows).tokens.tolist()
+    assert set(toks) == {5, 7}

@@ -1,0 +1,1 @@
+"""macfarm's Ray Serve app: OpenAI ingress, per-Mac replicas, prefix-affinity router."""
