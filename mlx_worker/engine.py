@@ -82,7 +82,7 @@ class Engine:
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int):
-            seed = None if params.seed is None else params.seed + i
+            seed = None if params.seed is None else (params.seed + i) % 2**32
             sub = Request(rid=f"{request.rid}#{i}", prompt_ids=request.prompt_ids,
                           params=params.model_copy(update={"n": 1, "seed": seed}))
             try:

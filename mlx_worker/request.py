@@ -79,7 +79,7 @@ class Sequence:
 
     def __post_init__(self):
         self.num_tokens = len(self.tokens)
-        self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(32)
+        self.seed = self.params.seed % 2**32 if self.params.seed is not None else secrets.randbits(32)
 
     def init_sampling_state(self, vocab: int) -> None:
         """Dense per-request arrays, made only for the parameters that need them."""

@@ -1,0 +1,65 @@
+"""The application builder: `serve run serve_app.app:build_app` or deploy/app.yaml."""
+
+import os
+from typing import Any, Dict, Literal, Optional, Union
+
+import ray
+from pydantic import BaseModel, Field
+from ray import serve
+
+from .ingress import Ingress
+from .replica import MLXReplica
+
+
+class AppArgs(BaseModel):
+    """Typed arguments of the macfarm app (the `args:` of a Serve config)."""
+
+    model: Optional[str] = None  # HF id, mlx-lm dir or .gguf; None: embedded SmolLM2-135M
+    model_name: Optional[str] = None  # the name clients use; default: derived from `model`
+    num_replicas: Union[int, Literal["auto"]] = "auto"  # auto: one per Mac, else 1
+    replica_resource: Optional[str] = "auto"  # custom resource per Mac; auto: "mac" if the cluster has it
+    engine: Dict[str, Any] = Field(default_factory=dict)  # mlx_worker.EngineConfig fields
+    router: Literal["prefix", "pow2"] = "prefix"
+    router_kwargs: Dict[str, Any] = Field(default_factory=dict)
+    max_ongoing_requests: int = Field(128, ge=1)  # per replica; the engine queues beyond its batch
+    max_queued_requests: int = Field(512, ge=-1)  # waiting at the ingress; beyond: 429
+    default_max_tokens: int = Field(512, ge=1)
+    api_key: Optional[str] = None  # bearer token; also $MACFARM_API_KEY
+    retry_after_s: int = 1
+
+
+def _replica_options(args: AppArgs) -> Dict[str, Any]:
+    resources = ray.cluster_resources() if ray.is_initialized() else {}
+    resource = args.replica_resource
+    if resource == "auto":
+        resource = "mac" if resources.get("mac") else None
+    n = args.num_replicas
+    if n == "auto":
+        n = int(resources.get(resource, 1)) if resource else 1
+    actor = {"num_cpus": 1}
+    if resource:
+        actor["resources"] = {resource: 1}
+    opts: Dict[str, Any] = dict(
+        num_replicas=n,
+        ray_actor_options=actor,
+        max_ongoing_requests=args.max_ongoing_requests,
+        max_queued_requests=args.max_queued_requests,
+        health_check_period_s=5,
+        graceful_shutdown_timeout_s=30,
+    )
+    if args.router == "prefix":
+        opts["request_router_config"] = {
+            "request_router_class": "serve_app.router:PrefixAffinityRouter",
+            "request_router_kwargs": args.router_kwargs,
+            "request_routing_stats_period_s": 1,
+        }
+    return opts
+
+
+def build_app(args: Union[AppArgs, Dict[str, Any], None] = None) -> serve.Application:
+    args = AppArgs.model_validate(args or {})
+    args.api_key = args.api_key or os.environ.get("MACFARM_API_KEY") or None
+    engine = {**args.engine, "model": args.model}
+    replica = MLXReplica.options(**_replica_options(args)).bind(engine)
+    ingress = Ingress.options(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replica, args.model_dump())

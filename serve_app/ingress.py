@@ -1,0 +1,201 @@
+"""The ingress deployment: OpenAI HTTP API -> tokens -> a replica stream -> SSE/JSON."""
+
+import json
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mlx_worker.paging import PAGE_SIZE, page_hashes
+
+from . import protocol as P
+
+api = FastAPI(title="macfarm", description="OpenAI-compatible LLM serving on a Mac farm")
+
+
+def _error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None, headers=None):
+    return JSONResponse(P.error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+@api.exception_handler(P.ProtocolError)
+async def _protocol_error(_, e: "P.ProtocolError"):
+    return _error(e.status, e.message, e.param, e.code, getattr(e, "headers", None))
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(_, e: RequestValidationError):
+    errs = e.errors()
+    first = errs[0] if errs else {}
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
+    return _error(400, msg, loc or None, "invalid_request")
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_, e: StarletteHTTPException):
+    return _error(e.status_code, str(e.detail))
+
+
+class Ingress:
+    """Validates, applies the chat template, tokenizes, and streams from a replica."""
+
+    def __init__(self, replica: DeploymentHandle, args: Dict[str, Any]):
+        from mlx_lm.utils import load_tokenizer
+
+        from mlx_worker.gguf import resolve_model
+
+        from .app import AppArgs
+
+        self.args = AppArgs.model_validate(args)
+        path = resolve_model(self.args.model)
+        local = Path(path) if Path(path).exists() else _download(path)  # tokenizer + config only
+        self.tokenizer = load_tokenizer(local)
+        self.model_name = self.args.model_name or (Path(self.args.model).stem if self.args.model else "SmolLM2-135M-Instruct")
+        self.max_model_len = _context_length(local)
+        self.vocab_size = len(self.tokenizer._tokenizer)
+        self.page_size = int(self.args.engine.get("page_size", PAGE_SIZE))
+        self.replica = replica.options(stream=True, method_name="generate")
+        self.stats_handle = replica.options(method_name="stats")
+        self.created = int(time.time())
+
+    # --- endpoints -------------------------------------------------------------------
+    @api.get("/health")
+    async def health(self):
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self, request: Request):
+        self._auth(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "macfarm"}]}
+
+    @api.get("/v1/stats")
+    async def stats(self, request: Request):
+        """Load and cache figures of the replicas (one call reaches one replica)."""
+        self._auth(request)
+        return {"replica": await self.stats_handle.remote()}
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        self._auth(request)
+        body = P.parse_request(P.ChatCompletionRequest, await request.body())
+        self._check_model(body.model)
+        try:
+            prompt_ids = self.tokenizer.apply_chat_template(body.chat_messages(), add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - templates raise anything
+            raise P.ProtocolError(f"chat template failed: {e}", "messages")
+        return await self._serve(body, list(prompt_ids), "chat")
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        self._auth(request)
+        body = P.parse_request(P.CompletionRequest, await request.body())
+        self._check_model(body.model)
+        ids = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if not ids:
+            raise P.ProtocolError("prompt is empty", "prompt")
+        if max(ids) >= self.vocab_size:
+            raise P.ProtocolError(f"prompt token ids must be below {self.vocab_size}", "prompt")
+        return await self._serve(body, ids, "completion")
+
+    # --- the shared path -------------------------------------------------------------
+    def _auth(self, request: Request) -> None:
+        key = self.args.api_key
+        if key and request.headers.get("authorization", "") != f"Bearer {key}":
+            raise P.ProtocolError("invalid API key", code="invalid_api_key", status=401)
+
+    def _check_model(self, model: Optional[str]) -> None:
+        if model and model not in (self.model_name, self.args.model):
+            raise P.ProtocolError(f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                                  "model", "model_not_found", status=404)
+
+    async def _serve(self, body, prompt_ids: List[int], kind: str):
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise P.ProtocolError(f"prompt is {n} tokens; the model's context is {self.max_model_len}",
+                                  "messages" if kind == "chat" else "prompt", "context_length_exceeded")
+        params = P.to_sampling_params(body, self.args.default_max_tokens, self.max_model_len, n)
+        rid = P.random_id("chatcmpl" if kind == "chat" else "cmpl")
+        payload = {"rid": rid, "prompt_ids": prompt_ids, "params": params.model_dump(),
+                   "page_hashes": page_hashes(prompt_ids, self.page_size)}
+        stream = self.replica.remote(payload)
+        try:
+            first = await stream.__anext__()
+        except BackPressureError:
+            raise _overloaded(self.args.retry_after_s)
+        except StopAsyncIteration:
+            raise P.ProtocolError("the replica ended the stream without output", status=500)
+        if isinstance(first, dict):
+            stream.cancel()
+            raise P.ProtocolError(first["error"], status=first.get("status", 400))
+        if first.finish_reason == "error":
+            raise P.ProtocolError(first.error or "request failed", code="context_length_exceeded")
+        decode = self._decode_token if params.logprobs else None
+        if body.stream:
+            return StreamingResponse(self._sse(kind, first, stream, rid, decode, body.include_usage),
+                                     media_type="text/event-stream")
+        outs = [first]
+        async for out in stream:
+            outs.append(out)
+        build = P.chat_completion if kind == "chat" else P.completion
+        return JSONResponse(build(outs, self.model_name, decode, id=rid).model_dump(mode="json"))
+
+    async def _sse(self, kind, first, stream, rid, decode, include_usage) -> AsyncIterator[str]:
+        created, outs, started, offsets = int(time.time()), [], set(), {}
+        try:
+            out = first
+            while True:
+                outs.append(out)
+                if kind == "chat":
+                    chunk = P.chat_chunk(out, rid, created, self.model_name, decode, first=out.index not in started)
+                    started.add(out.index)
+                else:
+                    chunk = P.completion_chunk(out, rid, created, self.model_name, decode, offsets.get(out.index, 0))
+                    offsets[out.index] = offsets.get(out.index, 0) + len(out.text)
+                yield f"data: {chunk.model_dump_json()}\n\n"
+                try:
+                    out = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+            if include_usage:
+                cls = P.ChatCompletionChunk if kind == "chat" else P.Completion
+                tail = cls(id=rid, created=created, model=self.model_name, choices=[], usage=P.usage(outs))
+                yield f"data: {tail.model_dump_json()}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.cancel()  # no-op when finished; aborts the engine request on disconnect
+
+    def _decode_token(self, tok: int) -> str:
+        return self.tokenizer.decode([tok])
+
+
+def _overloaded(retry_after: int) -> "P.ProtocolError":
+    e = P.ProtocolError("the server is overloaded; retry later", code="overloaded", status=429)
+    e.headers = {"Retry-After": str(retry_after)}
+    return e
+
+
+def _context_length(path: Path) -> int:
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 32768
+    for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+        if isinstance(cfg.get(key), int):
+            return cfg[key]
+    return 32768
+
+
+def _download(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo, allow_patterns=["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]))
+
+
+Ingress = serve.deployment(serve.ingress(api)(Ingress), name="Ingress")

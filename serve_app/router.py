@@ -1,0 +1,599 @@
+"""Prefix-affinity request router: send a prompt where its KV pages are already cached.
+
+Ray Serve runs one router per deployment handle (here: in each ingress replica) and
+asks it, for every request, for ranked groups of replicas (`choose_replicas`); Serve
+then tries the groups in order and, inside a group, takes the replica with the shortest
+queue that accepts the request (`max_ongoing_requests`). This router returns one replica
+per group, best first (except in the power-of-two fallback: one group of two).
+
+Signals:
+- the request's chained page hashes (`request["page_hashes"]`, computed by the ingress
+  with `mlx_worker.paging.page_hashes`): hash i names the whole prefix up to page i;
+- each replica's `record_routing_stats()` report, which Serve's controller polls every
+  `request_routing_stats_period_s` and broadcasts to the handles when it changes
+  (`RunningReplica.routing_stats`): `{"running", "waiting", "kv_used",
+  "cached_page_hashes", "engine_id"}` (optional: `"page_size"`); seconds stale;
+- this router's own decisions, recorded at once (optimistic insert of the routed
+  prompt's hashes), so a burst of one tenant sticks to one replica before the next
+  report arrives; a fresh report replaces the reported part and drops the optimistic
+  inserts it should already show (older than the report minus `report_lag_s`);
+- Serve's per-replica queue-length cache (ongoing requests, fresh to the last send).
+
+score(replica) = page_weight * matched_pages - load_weight * load,
+load = ongoing requests (Serve's count, else reported running + waiting, or this
+router's in-flight count) + kv_weight * kv_used.
+When the load of the candidates is imbalanced (max - min > `imbalance_threshold` and
+max > `imbalance_ratio` x min), the router falls back to power-of-two-choices (or, with
+`imbalance_mode="filter"`, ranks only the replicas within the threshold of the least
+loaded). Queues stay short when the farm is not saturated, so the router also balances
+its recent decisions: a replica that got more than `max_share_ratio` x the fair share of
+the last ~`balance_window` decisions is ranked last, and a hot prefix spills over to
+(and gets cached on) a second replica.
+
+The logic (`prefix_match_len`, `ReplicaCacheState`, `PrefixAffinityPolicy`) is plain
+Python with no Ray state, testable on its own; `PrefixAffinityRouter` only adapts it to
+Serve's `RequestRouter` hooks. This module must not import `mlx_worker` (Serve pickles
+the router module by value and imports it in every handle's process; mlx is heavy).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Dict, Hashable, Iterable, List, Literal, Optional, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+logger = logging.getLogger("ray.serve")
+
+DEFAULT_PAGE_SIZE = 16  # == mlx_worker.paging.PAGE_SIZE (not imported: see module doc)
+_MAX_ROUTED = 100_000  # bound on the in-flight bookkeeping of one router
+
+
+class PrefixAffinityConfig(BaseModel):
+    """`request_router_kwargs` of `PrefixAffinityRouter` (unknown keys are an error)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    page_weight: float = Field(1.0, ge=0)
+    """Score per matched (cached) prefix page."""
+    load_weight: float = Field(2.0, ge=0)
+    """Score cost per unit of load (one ongoing request), in pages."""
+    kv_weight: float = Field(4.0, ge=0)
+    """Load added by a full KV pool (kv_used = 1.0), in requests."""
+    imbalance_threshold: float = Field(8.0, ge=0)
+    """Fall back to least-loaded when max load - min load exceeds this (requests)..."""
+    imbalance_ratio: float = Field(1.5, ge=0)
+    """...and the max load exceeds this times the min load (<= 1: difference only)."""
+    imbalance_mode: Literal["pow2", "filter"] = "pow2"
+    """pow2: two random candidates, Serve takes the shorter queue. filter: rank by score
+    only the replicas within `imbalance_threshold` of the least loaded, the rest last."""
+    match_mode: Literal["deepest", "contiguous"] = "deepest"
+    """deepest: matched = 1 + the deepest index whose hash the replica has (a chained
+    hash names its whole prefix, and the cache evicts leaves before parents, so this is
+    the longest cached prefix even if the tracked set is sparse or truncated).
+    contiguous: stop at the first page the replica lacks."""
+    max_tracked_pages: int = Field(65536, ge=1)
+    """Per replica: reported hashes kept (the last ones of the report) and, separately,
+    optimistic inserts kept (the newest)."""
+    page_size: int = Field(DEFAULT_PAGE_SIZE, ge=1)
+    """Tokens per page; a replica reporting another `page_size` gets no cache credit."""
+    optimistic_ttl_s: float = Field(30.0, gt=0)
+    """Optimistic inserts expire after this even without a report."""
+    report_lag_s: float = Field(2.0, ge=0)
+    """A report is assumed to reflect decisions older than (its arrival - this)."""
+    balance_window: int = Field(256, ge=0)
+    """Routing decisions in the (exponentially decayed) window of each replica's share
+    of this router's traffic; 0 disables share balancing."""
+    max_share_ratio: float = Field(1.2, gt=1.0)
+    """A replica whose share exceeds this times the fair share (1 / candidates) is ranked
+    after the others, so a hot prefix spills over (and gets cached) elsewhere."""
+
+
+def prefix_match_len(
+    page_hashes: Sequence[int], has: Any, mode: str = "deepest"
+) -> int:
+    """Number of leading pages of `page_hashes` a replica has cached.
+
+    `has` is a container (`in`) or a predicate. contiguous: length of the longest run
+    page_hashes[:n] all present. deepest: 1 + the largest i with page_hashes[i] present
+    (equal to contiguous when the set is prefix-closed, as a radix cache's is).
+    """
+    contains = has if callable(has) else has.__contains__
+    if mode == "contiguous":
+        n = 0
+        for h in page_hashes:
+            if not contains(h):
+                break
+            n += 1
+        return n
+    for i in range(len(page_hashes) - 1, -1, -1):
+        if contains(page_hashes[i]):
+            return i + 1
+    return 0
+
+
+def _num(stats: Mapping, key: str, default: float = 0.0) -> float:
+    v = stats.get(key, default)
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return default
+    return v if math.isfinite(v) else default
+
+
+@dataclass
+class ReplicaCacheState:
+    """What one router believes about one replica: cached pages and load."""
+
+    engine_id: Optional[str] = None
+    reported: frozenset = frozenset()
+    optimistic: "OrderedDict[int, float]" = field(default_factory=OrderedDict)  # hash -> t
+    has_report: bool = False
+    report_time: float = -math.inf
+    running: int = 0
+    waiting: int = 0
+    kv_used: float = 0.0
+    inflight: int = 0  # requests this router routed there and not yet completed
+    share: float = 0.0  # decayed count of this router's recent decisions for it
+    cache_ok: bool = True  # False: incompatible page size, no cache credit
+    last_stats: Any = None  # the stats object (or its content) last applied
+
+    def forget_cache(self) -> None:
+        self.reported = frozenset()
+        self.optimistic.clear()
+
+    def contains(self, h: int, now: float, ttl: float) -> bool:
+        if h in self.reported:
+            return True
+        t = self.optimistic.get(h)
+        return t is not None and now - t <= ttl
+
+    def expire(self, now: float, ttl: float) -> None:
+        opt = self.optimistic
+        while opt:
+            h, t = next(iter(opt.items()))
+            if now - t <= ttl:
+                break
+            opt.popitem(last=False)
+
+    @property
+    def reported_queue(self) -> int:
+        return self.running + self.waiting
+
+
+@dataclass
+class ReplicaScore:
+    key: Hashable
+    matched: int
+    load: float
+    score: float
+
+
+@dataclass
+class Ranking:
+    groups: List[List[Hashable]]
+    scores: Dict[Hashable, ReplicaScore]
+    mode: str  # "prefix", "pow2", "filter" or "empty"
+
+
+class PrefixAffinityPolicy:
+    """Per-replica cache/load state and the ranking, keyed by any hashable replica key.
+
+    `now` is passed in everywhere (seconds, monotonic or wall: only differences count),
+    so tests can drive time.
+    """
+
+    def __init__(
+        self,
+        config: Optional[PrefixAffinityConfig] = None,
+        rng: Optional[random.Random] = None,
+    ):
+        self.config = config or PrefixAffinityConfig()
+        self.replicas: Dict[Hashable, ReplicaCacheState] = {}
+        self.rng = rng or random.Random()
+        self._warned_page_size = False
+
+    # --- state ---------------------------------------------------------------------------
+    def state(self, key: Hashable) -> ReplicaCacheState:
+        st = self.replicas.get(key)
+        if st is None:
+            st = self.replicas[key] = ReplicaCacheState()
+        return st
+
+    def forget(self, key: Hashable) -> None:
+        """The replica died or left: drop everything known about it."""
+        self.replicas.pop(key, None)
+
+    def retain(self, keys: Iterable[Hashable]) -> None:
+        """Keep only these replicas (the current replica set)."""
+        keep = set(keys)
+        for k in [k for k in self.replicas if k not in keep]:
+            del self.replicas[k]
+
+    def observe(self, key: Hashable, stats: Optional[Mapping], now: float) -> bool:
+        """Apply a replica's routing stats if they are new; True if applied.
+
+        Serve hands the same stats object until the controller broadcasts again, and
+        a broadcast rebuilds every replica's object, so a report counts as fresh only
+        if its content changed. Missing or empty stats (no report yet) change nothing.
+        """
+        st = self.state(key)
+        if stats is None or stats is st.last_stats:
+            return False
+        if not isinstance(stats, Mapping) or not stats:
+            st.last_stats = stats
+            return False
+        if st.has_report and stats == st.last_stats:
+            st.last_stats = stats
+            return False
+        st.last_stats = stats
+        cfg = self.config
+
+        engine_id = stats.get("engine_id")
+        if engine_id is not None:
+            engine_id = str(engine_id)
+            if st.engine_id is not None and engine_id != st.engine_id:
+                # The replica restarted: its cache is gone, and so are our requests there.
+                st.forget_cache()
+                st.inflight = 0
+            st.engine_id = engine_id
+
+        st.running = max(0, int(_num(stats, "running")))
+        st.waiting = max(0, int(_num(stats, "waiting")))
+        if "kv_used" in stats:
+            kv = _num(stats, "kv_used")
+        elif "kv_pages_total" in stats:  # raw Engine.stats() format
+            kv = _num(stats, "kv_pages_used") / max(1.0, _num(stats, "kv_pages_total", 1.0))
+        else:
+            kv = st.kv_used
+        st.kv_used = min(1.0, max(0.0, kv))
+
+        page_size = stats.get("page_size")
+        st.cache_ok = page_size is None or _num(stats, "page_size", -1) == cfg.page_size
+        if not st.cache_ok and not self._warned_page_size:
+            self._warned_page_size = True
+            logger.warning(
+                f"PrefixAffinityRouter: replica {key} reports page_size {page_size}, "
+                f"router page_size is {cfg.page_size}; its cache is ignored."
+            )
+
+        hashes = stats.get("cached_page_hashes")
+        if hashes is not None and st.cache_ok:
+            try:
+                if len(hashes) > cfg.max_tracked_pages:
+                    hashes = list(hashes)[-cfg.max_tracked_pages :]
+                st.reported = frozenset(hashes)
+            except TypeError:
+                st.reported = frozenset()
+            # Drop optimistic inserts the report should already reflect.
+            cutoff = now - cfg.report_lag_s
+            opt = st.optimistic
+            while opt:
+                h, t = next(iter(opt.items()))
+                if t >= cutoff:
+                    break
+                opt.popitem(last=False)
+            for h in [h for h in opt if h in st.reported]:
+                del opt[h]
+        elif not st.cache_ok:
+            st.forget_cache()
+        st.has_report = True
+        st.report_time = now
+        return True
+
+    def record_routed(
+        self, key: Hashable, page_hashes: Optional[Sequence[int]], now: float
+    ) -> None:
+        """Optimistic insert: the replica will have this prompt's pages cached."""
+        st = self.state(key)
+        if not page_hashes or not st.cache_ok:
+            return
+        opt = st.optimistic
+        for h in page_hashes:
+            if h in opt:
+                opt.move_to_end(h)
+            opt[h] = now
+        over = len(opt) - self.config.max_tracked_pages
+        for _ in range(max(0, over)):
+            opt.popitem(last=False)
+
+    def request_started(self, key: Hashable) -> None:
+        """A new request was routed to `key` (once per request: in-flight and share)."""
+        self.state(key).inflight += 1
+        w = self.config.balance_window
+        if w > 0:
+            decay = 1.0 - 1.0 / w
+            for st in self.replicas.values():
+                st.share *= decay
+            self.replicas[key].share += 1.0
+
+    def request_finished(self, key: Hashable) -> None:
+        st = self.replicas.get(key)
+        if st is not None and st.inflight > 0:
+            st.inflight -= 1
+
+    # --- scoring -------------------------------------------------------------------------
+    def match_len(self, key: Hashable, page_hashes: Sequence[int], now: float) -> int:
+        st = self.replicas.get(key)
+        if st is None or not page_hashes or not st.cache_ok:
+            return 0
+        ttl = self.config.optimistic_ttl_s
+        if not st.optimistic:
+            return prefix_match_len(page_hashes, st.reported, self.config.match_mode)
+        return prefix_match_len(
+            page_hashes, lambda h: st.contains(h, now, ttl), self.config.match_mode
+        )
+
+    def load(self, key: Hashable, ongoing: Optional[int] = None) -> float:
+        """Ongoing requests (Serve's count if known) + kv_weight * KV use."""
+        st = self.replicas.get(key)
+        if st is None:
+            return float(ongoing or 0)
+        if ongoing is not None:
+            q = ongoing
+        else:
+            q = max(st.reported_queue, st.inflight)
+        return float(q) + self.config.kv_weight * st.kv_used
+
+    def score(
+        self,
+        key: Hashable,
+        page_hashes: Optional[Sequence[int]],
+        now: float,
+        ongoing: Optional[int] = None,
+    ) -> ReplicaScore:
+        matched = self.match_len(key, page_hashes or (), now)
+        load = self.load(key, ongoing)
+        cfg = self.config
+        return ReplicaScore(key, matched, load, cfg.page_weight * matched - cfg.load_weight * load)
+
+    def is_imbalanced(self, loads: Sequence[float]) -> bool:
+        if len(loads) < 2:
+            return False
+        lo, hi = min(loads), max(loads)
+        cfg = self.config
+        if hi - lo <= cfg.imbalance_threshold:
+            return False
+        return cfg.imbalance_ratio <= 1.0 or hi > cfg.imbalance_ratio * lo
+
+    def rank(
+        self,
+        keys: Sequence[Hashable],
+        page_hashes: Optional[Sequence[int]],
+        now: float,
+        ongoing: Optional[Mapping[Hashable, Optional[int]]] = None,
+    ) -> Ranking:
+        """Ranked groups of replica keys, best first (pow2: one group of two)."""
+        keys = list(dict.fromkeys(keys))
+        if not keys:
+            return Ranking([], {}, "empty")
+        ongoing = ongoing or {}
+        for k in keys:
+            st = self.replicas.get(k)
+            if st is not None:
+                st.expire(now, self.config.optimistic_ttl_s)
+        scores = {k: self.score(k, page_hashes, now, ongoing.get(k)) for k in keys}
+        loads = [s.load for s in scores.values()]
+        if self.is_imbalanced(loads):
+            if self.config.imbalance_mode == "pow2":
+                pair = self.rng.sample(keys, 2)
+                pair.sort(key=lambda k: scores[k].load)
+                return Ranking([pair], scores, "pow2")
+            cap = min(loads) + self.config.imbalance_threshold
+            ok = [k for k in keys if scores[k].load <= cap]
+            rest = sorted((k for k in keys if scores[k].load > cap), key=lambda k: scores[k].load)
+            groups = self._group(ok, scores)
+            if rest:
+                groups.append(rest)
+            return Ranking(groups, scores, "filter")
+        over = self.over_share(keys)
+        if over:
+            ok = [k for k in keys if k not in over]
+            return Ranking(
+                self._group(ok, scores) + self._group(list(over), scores), scores, "share"
+            )
+        return Ranking(self._group(keys, scores), scores, "prefix")
+
+    def shares(self, keys: Sequence[Hashable]) -> Dict[Hashable, float]:
+        return {k: (self.replicas[k].share if k in self.replicas else 0.0) for k in keys}
+
+    def over_share(self, keys: Sequence[Hashable]) -> set:
+        """Replicas above max_share_ratio x the fair share of recent decisions."""
+        cfg = self.config
+        if cfg.balance_window <= 0 or len(keys) < 2:
+            return set()
+        shares = self.shares(keys)
+        total = sum(shares.values())
+        if total < 4 * len(keys):  # too few decisions to judge
+            return set()
+        cap = cfg.max_share_ratio * total / len(keys)
+        return {k for k, v in shares.items() if v > cap}
+
+    def _group(self, keys: List[Hashable], scores: Dict[Hashable, ReplicaScore]) -> List[List[Hashable]]:
+        """One replica per group, best first. Equal scores: lower load, then fewer recent
+        decisions, then random. Singletons make the first choice the decision (unless
+        that replica is full), so `route` can record it before Serve even sends."""
+        shares = self.shares(keys)
+        order = sorted(
+            keys, key=lambda k: (-scores[k].score, scores[k].load, shares[k], self.rng.random())
+        )
+        return [[k] for k in order]
+
+    def route(
+        self,
+        keys: Sequence[Hashable],
+        page_hashes: Optional[Sequence[int]],
+        now: float,
+        ongoing: Optional[Mapping[Hashable, Optional[int]]] = None,
+    ) -> Ranking:
+        """`rank`, then record the first choice at once (optimistic insert), so the next
+        request of a burst with the same prefix follows it even before Serve sends this
+        one. (pow2 leaves the pick to Serve: recorded when Serve assigns the replica.)"""
+        ranking = self.rank(keys, page_hashes, now, ongoing)
+        if page_hashes and ranking.groups and len(ranking.groups[0]) == 1:
+            self.record_routed(ranking.groups[0][0], page_hashes, now)
+        return ranking
+
+
+def extract_page_hashes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Optional[List[int]]:
+    """The `page_hashes` of a `generate(request: dict)` call (first arg or `request=`)."""
+    objs = list(args or ())
+    if kwargs:
+        objs += [kwargs.get("request")] + [v for k, v in kwargs.items() if k != "request"]
+    for obj in objs:
+        if obj is None:
+            continue
+        h = obj.get("page_hashes") if isinstance(obj, Mapping) else getattr(obj, "page_hashes", None)
+        if h is not None:
+            return h if isinstance(h, list) else list(h)
+    return None
+
+
+class PrefixAffinityRouter(RequestRouter):
+    """Ray Serve request router over `PrefixAffinityPolicy` (see the module doc).
+
+    Select it with `request_router_config: {request_router_class:
+    "serve_app.router:PrefixAffinityRouter", request_router_kwargs: {...},
+    request_routing_stats_period_s: 1}`; kwargs are `PrefixAffinityConfig` fields.
+    No FIFOMixin on purpose: a replica chosen for one prompt must go to that prompt.
+    """
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.policy = PrefixAffinityPolicy(PrefixAffinityConfig(**kwargs))
+        self._routed: Dict[str, ReplicaID] = {}  # internal_request_id -> replica
+        logger.info(
+            f"PrefixAffinityRouter for {self._deployment_id}: {self.policy.config.model_dump()}"
+        )
+
+    def _get_policy(self) -> PrefixAffinityPolicy:
+        if getattr(self, "policy", None) is None:  # initialize_state not called
+            self.initialize_state()
+        return self.policy
+
+    def _now(self) -> float:
+        return time.monotonic()
+
+    # --- replica set ---------------------------------------------------------------------
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        policy = self._get_policy()
+        policy.retain(self._replica_id_set)
+        now = self._now()
+        for r in replicas:
+            policy.observe(r.replica_id, _routing_stats(r), now)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._get_policy().forget(replica_id)
+
+    # --- routing -------------------------------------------------------------------------
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        if pending_request is not None:
+            # Back off between full passes instead of spinning when all are busy.
+            pending_request.routing_context.should_backoff = True
+        if not candidate_replicas:
+            return []
+        policy = self._get_policy()
+        now = self._now()
+        by_id = {}
+        ongoing: Dict[ReplicaID, Optional[int]] = {}
+        use_cache = getattr(self, "_use_replica_queue_len_cache", False)
+        for r in candidate_replicas:
+            by_id[r.replica_id] = r
+            policy.observe(r.replica_id, _routing_stats(r), now)
+            ongoing[r.replica_id] = (
+                self._replica_queue_len_cache.get(r.replica_id) if use_cache else None
+            )
+        hashes = _request_hashes(pending_request)
+        ranking = policy.route(list(by_id), hashes, now, ongoing)
+        return [[by_id[k] for k in g] for g in ranking.groups]
+
+    def _record(self, pending_request: Optional[PendingRequest], replica_id: ReplicaID) -> None:
+        policy = self._get_policy()
+        policy.record_routed(replica_id, _request_hashes(pending_request), self._now())
+        if pending_request is not None:
+            rid = pending_request.metadata.internal_request_id
+            prev = self._routed.get(rid)
+            if prev != replica_id:
+                if prev is not None:
+                    policy.request_finished(prev)
+                if len(self._routed) >= _MAX_ROUTED:  # completions lost: start over
+                    self._routed.clear()
+                    for st in policy.replicas.values():
+                        st.inflight = 0
+                self._routed[rid] = replica_id
+                policy.request_started(replica_id)
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None):
+        # Record the decision the moment Serve assigns the replica (before the replica
+        # accepts, which takes a round trip), so the next request of a burst sees it.
+        pr = None
+        if request_metadata is not None:
+            pr = getattr(self, "_pending_requests_by_id", {}).get(
+                request_metadata.internal_request_id
+            )
+        super()._fulfill_next_pending_request(replica, request_metadata)
+        try:
+            if pr is not None and pr.future.done() and not pr.future.cancelled():
+                if pr.future.result() is replica:
+                    self._record(pr, replica.replica_id)
+        except Exception:  # never break routing over bookkeeping
+            logger.debug("PrefixAffinityRouter: early record failed", exc_info=True)
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
+        self._record(pending_request, replica_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        # Only the replica the request is recorded at: a rejected attempt's completion
+        # may arrive after the retry was routed elsewhere.
+        if self._routed.get(internal_request_id) == replica_id:
+            del self._routed[internal_request_id]
+            self._get_policy().request_finished(replica_id)
+
+
+def _routing_stats(replica: Any) -> Optional[Mapping]:
+    try:
+        return replica.routing_stats
+    except Exception:
+        return None
+
+
+def _request_hashes(pending_request: Optional[PendingRequest]) -> Optional[List[int]]:
+    if pending_request is None:
+        return None
+    try:
+        return extract_page_hashes(pending_request.args, pending_request.kwargs)
+    except Exception:
+        return None
+
+
+__all__ = [
+    "PrefixAffinityConfig",
+    "PrefixAffinityPolicy",
+    "PrefixAffinityRouter",
+    "ReplicaCacheState",
+    "ReplicaScore",
+    "Ranking",
+    "extract_page_hashes",
+    "prefix_match_len",
+]

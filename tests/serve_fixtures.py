@@ -1,0 +1,50 @@
+"""A real local Ray cluster with the macfarm app on a tiny model, shared by a module."""
+
+import socket
+import time
+
+import httpx
+import ray
+from ray import serve
+from tiny_models import save_tiny_model
+
+from mlx_worker.gguf import default_model_path
+from serve_app.app import build_app
+
+ENGINE = {"max_total_tokens": 4096, "max_batched_tokens": 256}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_model_dir(tmp_path_factory, arch="llama"):
+    return save_tiny_model(arch, tmp_path_factory.mktemp(arch), tokenizer_dir=default_model_path())
+
+
+def start_serve(num_cpus=4, **ray_kw):
+    port = free_port()
+    if not ray.is_initialized():
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **ray_kw)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
+def run_app(base: str, name: str, route: str, **args):
+    serve.run(build_app(args), name=name, route_prefix=route, blocking=False)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}{route.rstrip('/')}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"app {name} did not come up")
+
+
+def stop_serve():
+    serve.shutdown()
+    ray.shutdown()

@@ -1,0 +1,205 @@
+"""The Serve app end to end: real Ray, real Serve, real HTTP, the real openai client."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from conftest import reference_greedy
+from mlx_lm import load as mlx_load
+from serve_fixtures import ENGINE, run_app, start_serve, stop_serve, tiny_model_dir
+
+KEY = "sk-test"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = str(tiny_model_dir(tmp_path_factory))
+    base = start_serve()
+    run_app(base, "main", "/", model=path, model_name="tiny", engine=ENGINE, router="pow2", api_key=KEY)
+    run_app(base, "small", "/small", model=path, model_name="tiny", engine=ENGINE, router="pow2",
+            max_ongoing_requests=1, max_queued_requests=1)
+    model, tok = mlx_load(path)
+    yield base, model, tok
+    stop_serve()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key=KEY, max_retries=0)
+
+
+def greedy_text(served, messages, n):
+    _, model, tok = served
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    return tok.decode(reference_greedy(model, ids, n), skip_special_tokens=True), ids
+
+
+MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+def test_chat_non_stream_equals_engine_greedy(served, client):
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=12, temperature=0)
+    text, ids = greedy_text(served, MSGS, 12)
+    assert r.choices[0].message.content == text
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream_joins_to_the_same_text_with_usage(served, client):
+    chunks = list(client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == greedy_text(served, MSGS, 12)[0]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_multi_turn_uses_the_chat_template(served, client):
+    msgs = MSGS + [{"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+    assert r.choices[0].message.content == greedy_text(served, msgs, 6)[0]
+
+
+def test_completions_stream_and_not(served, client):
+    _, model, tok = served
+    ref = tok.decode(reference_greedy(model, tok.encode("Once upon a time"), 10), skip_special_tokens=True)
+    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0)
+    assert r.choices[0].text == ref
+    s = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in s) == ref
+
+
+def test_n_logprobs_and_seed(client):
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, n=3, seed=11,
+                                       logprobs=True, top_logprobs=2)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        assert len(c.logprobs.content) == 5 and all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+        assert all(t.logprob <= 0 for t in c.logprobs.content)
+    again = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, n=3, seed=11)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    other = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, n=3, seed=12)
+    assert [c.message.content for c in other.choices] != [c.message.content for c in r.choices]
+
+
+def test_response_format_json_schema(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=40, seed=1, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_stop_string(served, client):
+    full = greedy_text(served, MSGS, 20)[0]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=20, temperature=0, stop=[stop])
+    assert r.choices[0].message.content == full[: full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_32_concurrent_streams_are_all_correct(served):
+    base, model, tok = served
+    prompts = [f"Request number {i}: tell me about topic {i * 7}." for i in range(32)]
+    refs = [tok.decode(reference_greedy(model, tok.encode(p), 16), skip_special_tokens=True) for p in prompts]
+
+    async def one(ac, p):
+        text = ""
+        async with ac.stream("POST", f"{base}/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0, "stream": True},
+                             headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as ac:
+            return await asyncio.gather(*[one(ac, p) for p in prompts])
+
+    assert asyncio.run(main()) == refs
+
+
+def test_models_and_health(served, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{served[0]}/health").json() == {"status": "ok"}
+
+
+def _err(r):
+    body = r.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": MSGS, "top_p": 0},
+    {"messages": MSGS, "max_tokens": -1},
+    {"messages": [], "max_tokens": 4},
+    {"messages": MSGS, "n": 100},
+    {"messages": MSGS, "logit_bias": {"99999999": 1}},
+    {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+])
+def test_bad_requests_are_400_with_openai_errors(served, body):
+    r = httpx.post(f"{served[0]}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert _err(r)["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_long_prompt_are_400(served):
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(f"{served[0]}/v1/chat/completions", content=b"{not json", headers=h)
+    assert r.status_code == 400 and _err(r)
+    long = {"prompt": list(range(100, 1200)), "max_tokens": 4}
+    r = httpx.post(f"{served[0]}/v1/completions", json=long, headers=h)
+    assert r.status_code == 400 and "context" in _err(r)["message"]
+
+
+def test_unknown_model_404_and_bad_key_401(served, client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=MSGS, max_tokens=2)
+    bad = openai.OpenAI(base_url=f"{served[0]}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2)
+
+
+def test_overload_gives_429_with_retry_after(served):
+    base = served[0]
+
+    async def one(ac):
+        return await ac.post(f"{base}/small/v1/completions", json={"prompt": "hi", "max_tokens": 40, "temperature": 0})
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as ac:
+            return await asyncio.gather(*[one(ac) for _ in range(12)])
+
+    rs = asyncio.run(main())
+    codes = [r.status_code for r in rs]
+    assert 200 in codes and 429 in codes and set(codes) <= {200, 429}, codes
+    for r in rs:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1" and _err(r)["type"] == "rate_limit_error"
+        else:
+            assert r.json()["choices"][0]["text"]  # the admitted ones are served in full
+
+
+def test_client_disconnect_aborts_the_request(served):
+    base = served[0]
+    h = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{base}/v1/completions", headers=h, timeout=60,
+                      json={"prompt": "go", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 5:
+                break  # closing the stream here disconnects the client
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        st = httpx.get(f"{base}/v1/stats", headers=h).json()["replica"]
+        if st["running"] == 0 and st["kv_pages_used"] == 0:
+            break
+        time.sleep(0.2)
+    assert st["running"] == 0 and st["kv_pages_used"] == 0
+    assert st["steps"] < 400  # stopped long before 900 tokens
