@@ -165,6 +165,11 @@ class Engine:
                 "cached_page_hashes": pm.cached_hashes(),
             }
 
+    @property
+    def error(self) -> Optional[BaseException]:
+        """Why the engine loop died, or None while it runs."""
+        return self._error
+
     def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(("stop", None))

@@ -7,6 +7,8 @@ import ray
 from pydantic import BaseModel, Field
 from ray import serve
 
+from mlx_worker.paging import PAGE_SIZE
+
 from .ingress import Ingress
 from .replica import MLXReplica
 
@@ -50,7 +52,7 @@ def _replica_options(args: AppArgs) -> Dict[str, Any]:
     if args.router == "prefix":
         opts["request_router_config"] = {
             "request_router_class": "serve_app.router:PrefixAffinityRouter",
-            "request_router_kwargs": args.router_kwargs,
+            "request_router_kwargs": {"page_size": args.engine.get("page_size", PAGE_SIZE), **args.router_kwargs},
             "request_routing_stats_period_s": 1,
         }
     return opts
