@@ -144,3 +144,18 @@ def test_masked_tokens_are_never_sampled():
     rows = [SamplerRow(SamplingParams(), seed=s, step=t, additive=add) for s in range(20) for t in range(20)]
     toks = sample(mx.array(rng.normal(size=(400, 1000)).astype(np.float32)), rows).tokens.tolist()
     assert set(toks) == {5, 7}
+
+
+def test_top_p_on_a_large_vocabulary_stays_in_the_exact_nucleus():
+    rng = np.random.default_rng(4)
+    logits = (rng.normal(size=5000) * 4).astype(np.float32)  # V > candidates
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    order = np.argsort(-p)
+    nucleus = set(order[: int(np.searchsorted(np.cumsum(p[order]), 0.8)) + 1].tolist())
+    rows = [SamplerRow(SamplingParams(top_p=0.8), seed=s, step=0) for s in range(600)]
+    toks = sample(mx.array(np.tile(logits, (600, 1))), rows).tokens.tolist()
+    assert set(toks) <= nucleus and len(set(toks)) > 1
+    top = order[0]
+    expect = p[top] / sum(p[i] for i in nucleus)
+    assert abs(toks.count(top) / 600 - expect) < 0.06
