@@ -19,6 +19,10 @@ from . import protocol as P
 
 api = FastAPI(title="macfarm", description="OpenAI-compatible LLM serving on a Mac farm")
 
+# A body is refused (413) past this many bytes per token of context (at least 1 MiB):
+# tokenizing a multi-MB prompt that cannot fit anyway blocks the ingress for seconds.
+BODY_BYTES_PER_TOKEN = 64
+
 
 def _error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None, headers=None):
     return JSONResponse(P.error_body(status, message, param, code), status_code=status, headers=headers)
@@ -61,6 +65,7 @@ class Ingress:
         self.max_model_len = _context_length(local)
         self.vocab_size = len(self.tokenizer._tokenizer)
         self.page_size = int(self.args.engine.get("page_size", PAGE_SIZE))
+        self.max_body_bytes = max(1 << 20, BODY_BYTES_PER_TOKEN * self.max_model_len)
         self.replica = replica.options(stream=True, method_name="generate")
         self.stats_handle = replica.options(method_name="stats")
         self.created = int(time.time())
@@ -84,7 +89,7 @@ class Ingress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         self._auth(request)
-        body = P.parse_request(P.ChatCompletionRequest, await request.body())
+        body = P.parse_request(P.ChatCompletionRequest, await self._body(request))
         self._check_model(body.model)
         try:
             prompt_ids = self.tokenizer.apply_chat_template(body.chat_messages(), add_generation_prompt=True)
@@ -95,7 +100,7 @@ class Ingress:
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         self._auth(request)
-        body = P.parse_request(P.CompletionRequest, await request.body())
+        body = P.parse_request(P.CompletionRequest, await self._body(request))
         self._check_model(body.model)
         ids = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         if not ids:
@@ -109,6 +114,14 @@ class Ingress:
         key = self.args.api_key
         if key and request.headers.get("authorization", "") != f"Bearer {key}":
             raise P.ProtocolError("invalid API key", code="invalid_api_key", status=401)
+
+    async def _body(self, request: Request) -> bytes:
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise P.ProtocolError(f"the request body is {len(raw)} bytes; at most {self.max_body_bytes} are accepted "
+                                  f"(the model's context is {self.max_model_len} tokens)",
+                                  code="request_too_large", status=413)
+        return raw
 
     def _check_model(self, model: Optional[str]) -> None:
         if model and model not in (self.model_name, self.args.model):

@@ -1,14 +1,63 @@
 """The replica deployment: one MLX engine per Mac, streaming outputs to the ingress."""
 
+import time
 import uuid
 from typing import Any, AsyncIterator, Dict, Optional
 
 from ray import serve
+from ray.serve.metrics import Counter, Gauge, Histogram
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 
 
 REPORT_ALL_PAGES = 4096
+
+# Histogram buckets (seconds).
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0]
+ITL_BUCKETS = [0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
+E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0]
+
+
+class ReplicaMetrics:
+    """The replica's Prometheus metrics (Ray exports them with a `ray_` prefix, tagged
+    with Serve's application, deployment and replica). Per token: one histogram observe
+    and one counter add per streamed delta (a few microseconds); per request: a few
+    more; gauges are refreshed from `engine.stats()` when Serve polls the replica."""
+
+    def __init__(self):
+        self.ttft = Histogram("macfarm_time_to_first_token_seconds", boundaries=TTFT_BUCKETS,
+                              description="Time from the request's arrival at the replica to its first output token.")
+        self.itl = Histogram("macfarm_inter_token_latency_seconds", boundaries=ITL_BUCKETS,
+                             description="Gap between a sample's streamed deltas, divided by the delta's token count.")
+        self.e2e = Histogram("macfarm_request_latency_seconds", boundaries=E2E_BUCKETS,
+                             description="Time from the request's arrival at the replica to its end.")
+        self.prompt_tokens = Counter("macfarm_prompt_tokens",
+                                     description="Prompt tokens of ended requests (once per request, whatever n).")
+        self.cached_tokens = Counter("macfarm_cached_prompt_tokens",
+                                     description="Prompt tokens served from the prefix cache.")
+        self.output_tokens = Counter("macfarm_output_tokens", description="Generated tokens (all samples).")
+        self.requests = Counter("macfarm_requests", tag_keys=("finish_reason",),
+                                description="Requests that ended, by finish reason (stop, length, abort, error).")
+        self.preemptions = Counter("macfarm_preemptions", description="Requests preempted (recomputed) for KV pages.")
+        self.evictions = Counter("macfarm_prefix_cache_evictions", description="Cached pages evicted (LRU).")
+        self.running = Gauge("macfarm_running_requests", description="Requests in the engine's running batch.")
+        self.waiting = Gauge("macfarm_waiting_requests", description="Requests waiting for admission.")
+        self.kv_used = Gauge("macfarm_kv_pages_used_fraction", description="Fraction of KV pool pages in use.")
+        self.hit_rate = Gauge("macfarm_prefix_cache_hit_rate",
+                              description="Prompt tokens found in the prefix cache / prompt tokens looked up, since start.")
+        self._seen = {"preemptions": 0, "evictions": 0}
+
+    def update(self, st: Dict[str, Any]) -> None:
+        """Gauges (and counters of cumulative engine totals) from `engine.stats()`."""
+        self.running.set(st["running"])
+        self.waiting.set(st["waiting"])
+        self.kv_used.set(st["kv_pages_used"] / max(1, st["kv_pages_total"]))
+        self.hit_rate.set(st["prefix_hit_tokens"] / max(1, st["prefix_query_tokens"]))
+        for key, counter in (("preemptions", self.preemptions), ("evictions", self.evictions)):
+            delta = st[key] - self._seen[key]
+            if delta > 0:
+                counter.inc(delta)
+                self._seen[key] = st[key]
 
 
 class EngineReplica:
@@ -22,16 +71,54 @@ class EngineReplica:
     def __init__(self, engine_config: Dict[str, Any]):
         self.engine = Engine(EngineConfig(**engine_config))
         self.engine_id = uuid.uuid4().hex[:12]  # changes when the replica restarts
+        self.metrics = ReplicaMetrics()
 
     async def generate(self, request: Dict[str, Any]) -> AsyncIterator[Any]:
         """request: {"rid", "prompt_ids", "params": SamplingParams dict, "page_hashes"}."""
+        start = time.perf_counter()
         req = Request(rid=request["rid"], prompt_ids=request["prompt_ids"],
                       params=SamplingParams(**request["params"]))
+        m = self.metrics
+        last: Dict[int, float] = {}  # sample index -> when its previous delta came
+        first = last_out = None
+        reason = "abort"  # unless the stream ends (closed early: client gone)
         try:
             async for out in self.engine.generate(req):
+                k = len(out.token_ids)
+                if k:
+                    now = time.perf_counter()
+                    prev = last.get(out.index)
+                    if first is None:
+                        first = now
+                        m.ttft.observe(now - start)
+                    elif prev is not None:
+                        m.itl.observe((now - prev) / k)
+                    last[out.index] = now
+                    m.output_tokens.inc(k)
+                if out.index == 0:
+                    last_out = out
                 yield out
+            reason = (last_out.finish_reason if last_out is not None else None) or "stop"
         except ValueError as e:  # bad params the ingress could not check (e.g. vocab ids)
+            reason = "error"
             yield {"error": str(e), "status": 400}
+        except Exception:
+            reason = "error"
+            raise
+        finally:
+            self._request_done(m, start, last_out, reason)
+
+    @staticmethod
+    def _request_done(m: ReplicaMetrics, start: float, out, reason: str) -> None:
+        try:
+            m.requests.inc(tags={"finish_reason": reason})
+            m.e2e.observe(time.perf_counter() - start)
+            if out is not None and out.num_prompt_tokens:
+                m.prompt_tokens.inc(out.num_prompt_tokens)
+                if out.num_cached_tokens:
+                    m.cached_tokens.inc(out.num_cached_tokens)
+        except Exception:  # noqa: BLE001 - metrics must never break a stream
+            pass
 
     def stats(self) -> Dict[str, Any]:
         st = self.engine.stats()
@@ -39,13 +126,18 @@ class EngineReplica:
         return {"engine_id": self.engine_id, **st}
 
     def record_routing_stats(self) -> Dict[str, Any]:
-        """Load and cached pages, for the prefix-affinity router.
+        """Load and cached pages, for the prefix-affinity router (Serve calls this every
+        request_routing_stats_period_s; it also refreshes the metric gauges).
 
         Past REPORT_ALL_PAGES hashes only a deterministic quarter is sent (about 40 KiB
         per 4k pages otherwise, every second): each hash names its whole prefix, so the
         router still finds the deepest cached page of a prompt within 3 pages.
         """
         st = self.engine.stats()
+        try:
+            self.metrics.update(st)
+        except Exception:  # noqa: BLE001 - metrics must never break routing stats
+            pass
         hashes = st["cached_page_hashes"]
         if len(hashes) > REPORT_ALL_PAGES:
             hashes = [h for h in hashes if h % 4 == 0]

@@ -25,6 +25,7 @@ def tiny_model_dir(tmp_path_factory, arch="llama"):
 
 
 def start_serve(num_cpus=4, **ray_kw):
+    ray_kw.setdefault("address", "local")  # never join a cluster already running here
     port = free_port()
     if not ray.is_initialized():
         ray.init(num_cpus=num_cpus, include_dashboard=False, **ray_kw)
