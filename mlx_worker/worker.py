@@ -49,13 +49,19 @@ class Worker:
             inputs = mx.concatenate([s.next_input for s in seqs])[:, None]
             layout = BatchLayout([s.pages for s in seqs], [p for _, p in plan.decode], 1, P)
             last_logits.append(self.model(inputs, cache=make_caches(self.pool, layout))[:, -1, :])
+        # Prefill chunks of equal length share one forward (rows may start anywhere).
+        by_len: Dict[int, list] = {}
         for chunk in plan.prefills:
-            seq = chunk.seq
-            inputs = mx.array(seq.tokens[chunk.start : chunk.start + chunk.length])[None]
-            layout = BatchLayout([seq.pages], [chunk.start], chunk.length, P)
+            by_len.setdefault(chunk.length, []).append(chunk)
+        prefill_logits = {}
+        for L, chunks in by_len.items():
+            inputs = mx.array([c.seq.tokens[c.start : c.start + L] for c in chunks])
+            layout = BatchLayout([c.seq.pages for c in chunks], [c.start for c in chunks], L, P)
             logits = self.model(inputs, cache=make_caches(self.pool, layout))
-            if chunk.samples:
-                last_logits.append(logits[:, -1, :])
+            for i, c in enumerate(chunks):
+                if c.samples:
+                    prefill_logits[id(c)] = logits[i : i + 1, -1, :]
+        last_logits += [prefill_logits[id(c)] for c in plan.prefills if c.samples]
         if not last_logits:
             mx.async_eval(*self.pool.arrays())
             return InFlightStep(plan, None)

@@ -82,3 +82,14 @@ def test_preemption_and_resume(model):
     assert st["preemptions"] > 0
     assert st["kv_pages_used"] == 0
     eng.shutdown()
+
+
+def test_equal_length_chunks_at_different_offsets_share_a_forward(model):
+    eng = engine(model)
+    shared = prompts(1, 32, 33, seed=6)[0]
+    check(model, eng, [shared + [5, 6, 7]], 2)  # caches the 32-token prefix
+    tails = prompts(4, 20, 21, seed=7)
+    # Two rows resume after the cached 32 tokens, two start at 0: all chunks are 20 long.
+    check(model, eng, [shared + tails[0], shared + tails[1], tails[2], tails[3]], 10)
+    assert eng.stats()["prefix_hit_tokens"] == 64
+    eng.shutdown()
