@@ -144,6 +144,8 @@ class Ingress:
             raise _overloaded(self.args.retry_after_s)
         except StopAsyncIteration:
             raise P.ProtocolError("the replica ended the stream without output", status=500)
+        except Exception as e:  # noqa: BLE001 - the replica died or failed: no output yet
+            raise _replica_failed(e)
         if isinstance(first, dict):
             stream.cancel()
             raise P.ProtocolError(first["error"], status=first.get("status", 400))
@@ -154,8 +156,11 @@ class Ingress:
             return StreamingResponse(self._sse(kind, first, stream, rid, decode, body.include_usage),
                                      media_type="text/event-stream")
         outs = [first]
-        async for out in stream:
-            outs.append(out)
+        try:
+            async for out in stream:
+                outs.append(out)
+        except Exception as e:  # noqa: BLE001 - the replica died mid-request
+            raise _replica_failed(e)
         build = P.chat_completion if kind == "chat" else P.completion
         return JSONResponse(build(outs, self.model_name, decode, id=rid).model_dump(mode="json"))
 
@@ -176,6 +181,9 @@ class Ingress:
                     out = await stream.__anext__()
                 except StopAsyncIteration:
                     break
+                except Exception as e:  # noqa: BLE001 - the replica died mid-stream: say so, end
+                    yield f"data: {json.dumps(_replica_failed(e).body())}\n\n"
+                    return  # no usage, no [DONE]: the stream did not complete
             if include_usage:
                 cls = P.ChatCompletionChunk if kind == "chat" else P.Completion
                 tail = cls(id=rid, created=created, model=self.model_name, choices=[], usage=P.usage(outs))
@@ -186,6 +194,11 @@ class Ingress:
 
     def _decode_token(self, tok: int) -> str:
         return self.tokenizer.decode([tok])
+
+
+def _replica_failed(e: Exception) -> "P.ProtocolError":
+    return P.ProtocolError(f"the model replica failed ({type(e).__name__}); retry the request",
+                           code="replica_failed", status=503)
 
 
 def _overloaded(retry_after: int) -> "P.ProtocolError":
