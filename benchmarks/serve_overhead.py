@@ -69,6 +69,7 @@ def main():
     ap.add_argument("--requests", type=int, default=50)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--model", default=None, help="mlx-lm dir (default: a tiny random llama)")
+    ap.add_argument("--router", default="prefix", choices=["prefix", "pow2"])
     args = ap.parse_args()
     model = args.model or str(save_tiny_model("llama", Path(tempfile.mkdtemp()) / "tiny", default_model_path()))
 
@@ -79,7 +80,7 @@ def main():
     engine.shutdown()
 
     base = start_serve()
-    run_app(base, "bench", "/", model=model, engine={"max_total_tokens": 8192})
+    run_app(base, "bench", "/", model=model, engine={"max_total_tokens": 8192}, router=args.router)
     asyncio.run(over_http(base, ps[:5], args.max_tokens))
     http_lat, http_ttft = asyncio.run(over_http(base, ps, args.max_tokens))
     stop_serve()

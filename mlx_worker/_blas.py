@@ -4,6 +4,7 @@ import ctypes
 import os
 import platform
 import sys
+import warnings
 
 _CANDIDATES = [
     "/usr/lib/{arch}-linux-gnu/openblas-pthread/libblas.so.3",
@@ -16,9 +17,12 @@ def preload_openblas() -> bool:
 
     A no-op off Linux, when MLX is already imported, or when MACFARM_NO_OPENBLAS is set.
     """
-    if sys.platform != "linux" or "mlx.core" in sys.modules:
+    if sys.platform != "linux" or os.environ.get("MACFARM_NO_OPENBLAS"):
         return False
-    if os.environ.get("MACFARM_NO_OPENBLAS"):
+    if "mlx.core" in sys.modules:
+        if "openblas" not in os.environ.get("LD_PRELOAD", ""):
+            warnings.warn("mlx was imported before mlx_worker: MLX keeps its slow reference BLAS; "
+                          "import mlx_worker first or set LD_PRELOAD to OpenBLAS", stacklevel=3)
         return False
     for path in _CANDIDATES:
         path = path.format(arch=platform.machine())

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
+import mlx_worker  # noqa: F401  (before mlx: binds MLX to OpenBLAS on Linux)
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
