@@ -122,7 +122,7 @@ class Engine:
         finished = False
         try:
             while not finished:
-                out = await sink.get()
+                out = _merge_ready(await sink.get(), sink)
                 if isinstance(out, BaseException):
                     raise RuntimeError("engine loop died") from out
                 out.index = index
@@ -244,6 +244,23 @@ class Engine:
                 by_loop.setdefault(target[0], []).append((target[1], out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
+
+
+def _merge_ready(out, sink: asyncio.Queue):
+    """Fold outputs already waiting behind `out` into it: a slow consumer (e.g. one Ray
+    object per item) then gets several tokens per item instead of falling behind."""
+    while not isinstance(out, BaseException) and not out.finished and not sink.empty():
+        nxt = sink.get_nowait()
+        if isinstance(nxt, BaseException):
+            return nxt
+        out.token_ids = out.token_ids + nxt.token_ids
+        if out.logprobs is not None or nxt.logprobs is not None:
+            out.logprobs = (out.logprobs or []) + (nxt.logprobs or [])
+        if out.top_logprobs is not None or nxt.top_logprobs is not None:
+            out.top_logprobs = (out.top_logprobs or []) + (nxt.top_logprobs or [])
+        out.finished, out.finish_reason, out.error = nxt.finished, nxt.finish_reason, nxt.error
+        out.stop_reason, out.num_output_tokens = nxt.stop_reason, nxt.num_output_tokens
+    return out
 
 
 def _put_all(items) -> None:
