@@ -28,7 +28,7 @@ class EngineConfig(BaseModel):
     max_total_tokens: Optional[int] = Field(None, ge=1)  # KV pool size; overrides the fraction
     kv_memory_fraction: float = Field(0.25, gt=0, le=0.95)
     max_running_requests: int = Field(64, ge=1)
-    max_batched_tokens: int = Field(512, ge=1)  # tokens per step: decode rows + prefill chunks
+    max_batched_tokens: int = Field(2048, ge=1)  # tokens per step: decode rows + prefill chunks
     overlap: bool = True  # False: finish each step before scheduling the next (debugging)
 
 
