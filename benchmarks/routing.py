@@ -61,10 +61,8 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from mlx_worker.gguf import default_model_path  # noqa: E402
 from mlx_worker.paging import PAGE_SIZE, page_hashes  # noqa: E402
-from serve_app.app import AppArgs, _replica_options, build_app  # noqa: E402
-from serve_app.ingress import Ingress  # noqa: E402
-from serve_app.replica import MLXReplica  # noqa: E402
-from serve_fixtures import free_port  # noqa: E402  (tests/)
+from serve_app.app import build_app  # noqa: E402
+from serve_fixtures import free_port, wait_healthy  # noqa: E402  (tests/)
 
 POLICIES = ("prefix", "pow2", "round_robin", "oracle")
 APP = "routing-bench"
@@ -76,11 +74,11 @@ def _sorted(replicas: List[RunningReplica]) -> List[RunningReplica]:
     return sorted(replicas, key=lambda r: r.replica_id.unique_id)
 
 
-class RoundRobinRouter(RequestRouter):
-    """Each request to the next replica in a fixed order (the rest as fallbacks)."""
+class _FixedOrderRouter(RequestRouter):
+    """Replicas in a fixed order, rotated to start at `first(...)`; the rest are fallbacks."""
 
-    def initialize_state(self, **kwargs: Any) -> None:
-        self._next = 0
+    def first(self, n: int, pending_request: Optional[PendingRequest]) -> int:
+        raise NotImplementedError
 
     async def choose_replicas(
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
@@ -90,12 +88,23 @@ class RoundRobinRouter(RequestRouter):
         if not candidate_replicas:
             return []
         reps = _sorted(candidate_replicas)
-        i = getattr(self, "_next", 0) % len(reps)
-        self._next = i + 1
+        i = self.first(len(reps), pending_request)
         return [[r] for r in reps[i:] + reps[:i]]
 
 
-class TenantOracleRouter(RequestRouter):
+class RoundRobinRouter(_FixedOrderRouter):
+    """Each request to the next replica in a fixed order (the rest as fallbacks)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._next = 0
+
+    def first(self, n: int, pending_request: Optional[PendingRequest]) -> int:
+        i = getattr(self, "_next", 0) % n
+        self._next = i + 1
+        return i
+
+
+class TenantOracleRouter(_FixedOrderRouter):
     """Pins tenant t to replica t % N (replicas in a fixed order).
 
     The tenant of a request is looked up from the hash of its prompt's first page
@@ -107,22 +116,14 @@ class TenantOracleRouter(RequestRouter):
     def initialize_state(self, tenant_of_hash: Optional[Dict[str, int]] = None, **kwargs: Any) -> None:
         self._tenant_of = {str(k): int(v) for k, v in (tenant_of_hash or {}).items()}
 
-    async def choose_replicas(
-        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
-    ) -> List[List[RunningReplica]]:
-        if pending_request is not None:
-            pending_request.routing_context.should_backoff = True
-        if not candidate_replicas:
-            return []
-        reps = _sorted(candidate_replicas)
+    def first(self, n: int, pending_request: Optional[PendingRequest]) -> int:
         tenant = None
         if pending_request is not None:
             for a in list(pending_request.args) + list(pending_request.kwargs.values()):
                 if isinstance(a, dict) and a.get("page_hashes"):
                     tenant = getattr(self, "_tenant_of", {}).get(str(a["page_hashes"][0]))
                     break
-        i = tenant % len(reps) if tenant is not None else random.randrange(len(reps))
-        return [[r] for r in reps[i:] + reps[:i]]
+        return tenant % n if tenant is not None else random.randrange(n)
 
 
 # --- workload ----------------------------------------------------------------------------
@@ -195,28 +196,10 @@ def build(policy: str, model_dir: str, engine: Dict[str, Any], replicas: int, wl
                 engine=engine, router="prefix" if policy == "prefix" else "pow2")
     if policy in ("prefix", "pow2"):
         return build_app(args)
-    # The same composition as build_app, with one of the baseline routers.
-    a = AppArgs.model_validate(args)
-    opts = _replica_options(a)
     cls, kwargs = (RoundRobinRouter, {}) if policy == "round_robin" else (
         TenantOracleRouter, {"tenant_of_hash": wl.tenant_of_hash})
-    opts["request_router_config"] = {"request_router_class": cls, "request_router_kwargs": kwargs,
-                                     "request_routing_stats_period_s": 1}
-    replica = MLXReplica.options(**opts).bind({**engine, "model": model_dir})
-    ingress = Ingress.options(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replica, a.model_dump())
-
-
-def wait_healthy(base: str, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("app did not come up")
+    return build_app(args, {"request_router_class": cls, "request_router_kwargs": kwargs,
+                            "request_routing_stats_period_s": 1})
 
 
 def engine_stats(replicas: int, tries: int = 60) -> Dict[str, Dict[str, Any]]:
@@ -311,7 +294,7 @@ def run_policy(policy: str, base: str, model_dir: str, engine: Dict[str, Any], w
                args, session_dir: Path) -> Dict[str, Any]:
     t_start = time.time()
     serve.run(build(policy, model_dir, engine, args.replicas, wl), name=APP, route_prefix="/", blocking=False)
-    wait_healthy(base)
+    wait_healthy(base, timeout=180)
     asyncio.run(warm_up(base, wl, 2 * args.replicas))
     before = engine_stats(args.replicas)
     t_ready = time.time()

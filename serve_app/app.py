@@ -58,10 +58,17 @@ def _replica_options(args: AppArgs) -> Dict[str, Any]:
     return opts
 
 
-def build_app(args: Union[AppArgs, Dict[str, Any], None] = None) -> serve.Application:
+def build_app(
+    args: Union[AppArgs, Dict[str, Any], None] = None, request_router_config: Optional[Dict[str, Any]] = None
+) -> serve.Application:
+    """The app; `request_router_config` replaces the one `args.router` selects (e.g. a
+    router class object, as the routing benchmark's baselines are)."""
     args = AppArgs.model_validate(args or {})
     args.api_key = args.api_key or os.environ.get("MACFARM_API_KEY") or None
     engine = {**args.engine, "model": args.model}
-    replica = MLXReplica.options(**_replica_options(args)).bind(engine)
+    opts = _replica_options(args)
+    if request_router_config is not None:
+        opts["request_router_config"] = request_router_config
+    replica = MLXReplica.options(**opts).bind(engine)
     ingress = Ingress.options(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
     return ingress.bind(replica, args.model_dump())

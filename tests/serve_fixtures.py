@@ -33,17 +33,22 @@ def start_serve(num_cpus=4, **ray_kw):
     return f"http://127.0.0.1:{port}"
 
 
-def run_app(base: str, name: str, route: str, **args):
-    serve.run(build_app(args), name=name, route_prefix=route, blocking=False)
-    deadline = time.time() + 120
+def wait_healthy(base: str, timeout: float = 120) -> None:
+    """Poll `base`/health until it answers 200."""
+    deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            if httpx.get(f"{base}{route.rstrip('/')}/health", timeout=5).status_code == 200:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"app {name} did not come up")
+    raise TimeoutError(f"{base} did not come up")
+
+
+def run_app(base: str, name: str, route: str, **args):
+    serve.run(build_app(args), name=name, route_prefix=route, blocking=False)
+    wait_healthy(f"{base}{route.rstrip('/')}")
 
 
 def stop_serve():
