@@ -1,5 +1,6 @@
 """A real local Ray cluster with the macfarm app on a tiny model, shared by a module."""
 
+import contextlib
 import socket
 import time
 
@@ -25,12 +26,24 @@ def tiny_model_dir(tmp_path_factory, arch="llama"):
 
 
 def start_serve(num_cpus=4, **ray_kw):
+    """A fresh local Ray cluster with Serve's proxy on a free port; returns the base URL."""
     ray_kw.setdefault("address", "local")  # never join a cluster already running here
+    if ray.is_initialized():  # never reuse another module's cluster and its apps
+        stop_serve()
     port = free_port()
-    if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **ray_kw)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, **ray_kw)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def serving(num_cpus=4, **ray_kw):
+    """start_serve ... stop_serve, torn down even when the module's set-up fails."""
+    base = start_serve(num_cpus, **ray_kw)
+    try:
+        yield base
+    finally:
+        stop_serve()
 
 
 def wait_healthy(base: str, timeout: float = 120) -> None:
@@ -52,5 +65,7 @@ def run_app(base: str, name: str, route: str, **args):
 
 
 def stop_serve():
-    serve.shutdown()
-    ray.shutdown()
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()

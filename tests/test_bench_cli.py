@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from serve_fixtures import run_app, start_serve, stop_serve, tiny_model_dir
+from serve_fixtures import run_app, serving, tiny_model_dir
 
 from serve_app.bench import main, percentile, summarize
 
@@ -42,12 +42,9 @@ def test_summarize_synthetic_records():
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
     path = str(tiny_model_dir(tmp_path_factory))
-    base = start_serve()
-    try:
+    with serving() as base:
         run_app(base, "bench", "/", model=path, model_name="tiny", engine={"max_total_tokens": 4096})
         yield f"{base}/v1"
-    finally:
-        stop_serve()
 
 
 @pytest.mark.parametrize("workload,extra", [

@@ -21,15 +21,19 @@ def farm(tmp_path_factory):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     for _ in range(MACS):
         cluster.add_node(num_cpus=1, resources={"mac": 1})
-    ray.init(address=cluster.address)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    base = f"http://127.0.0.1:{port}"
-    run_app(base, "farm", "/", model=path, model_name="tiny", engine=ENGINE)  # num_replicas: auto
-    yield base
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
+    try:
+        ray.init(address=cluster.address)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        base = f"http://127.0.0.1:{port}"
+        run_app(base, "farm", "/", model=path, model_name="tiny", engine=ENGINE)  # num_replicas: auto
+        yield base
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
 
 
 def test_one_replica_per_mac(farm):

@@ -6,7 +6,7 @@ import time
 
 import httpx
 import pytest
-from serve_fixtures import ENGINE, run_app, start_serve, stop_serve, tiny_model_dir
+from serve_fixtures import ENGINE, run_app, serving, tiny_model_dir
 
 CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
 MSGS = [{"role": "user", "content": "Hi"}]
@@ -16,10 +16,9 @@ JSON = {"Content-Type": "application/json"}
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     path = str(tiny_model_dir(tmp_path_factory))
-    url = start_serve(num_cpus=2, address="local")  # "local": never join another Ray on this machine
-    run_app(url, "fuzz", "/", model=path, model_name="tiny", engine=ENGINE, router="pow2")
-    yield url
-    stop_serve()
+    with serving(num_cpus=2) as url:
+        run_app(url, "fuzz", "/", model=path, model_name="tiny", engine=ENGINE, router="pow2")
+        yield url
 
 
 def chat(**kw):

@@ -5,7 +5,7 @@ import time
 
 import httpx
 import pytest
-from serve_fixtures import ENGINE, free_port, run_app, start_serve, stop_serve, tiny_model_dir
+from serve_fixtures import ENGINE, free_port, run_app, serving, tiny_model_dir
 
 REQUESTS = 4
 SHARED = "You are a helpful assistant who answers briefly. " * 6  # > 2 KV pages: later requests hit the cache
@@ -16,12 +16,10 @@ SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?
 def served(tmp_path_factory):
     path = str(tiny_model_dir(tmp_path_factory))
     port = free_port()
-    # address="local": never join another Ray instance running on this machine.
-    base = start_serve(num_cpus=2, address="local", _metrics_export_port=port,
-                       _system_config={"metrics_report_interval_ms": 1000})
-    run_app(base, "metrics", "/", model=path, model_name="tiny", engine=ENGINE)  # prefix router
-    yield base, f"http://127.0.0.1:{port}/metrics"
-    stop_serve()
+    with serving(num_cpus=2, _metrics_export_port=port,
+                 _system_config={"metrics_report_interval_ms": 1000}) as base:
+        run_app(base, "metrics", "/", model=path, model_name="tiny", engine=ENGINE)  # prefix router
+        yield base, f"http://127.0.0.1:{port}/metrics"
 
 
 def scrape(url: str) -> dict:

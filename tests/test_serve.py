@@ -10,7 +10,7 @@ import openai
 import pytest
 from conftest import reference_greedy
 from mlx_lm import load as mlx_load
-from serve_fixtures import ENGINE, run_app, start_serve, stop_serve, tiny_model_dir
+from serve_fixtures import ENGINE, run_app, serving, tiny_model_dir
 
 KEY = "sk-test"
 
@@ -18,13 +18,12 @@ KEY = "sk-test"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     path = str(tiny_model_dir(tmp_path_factory))
-    base = start_serve()
-    run_app(base, "main", "/", model=path, model_name="tiny", engine=ENGINE, router="pow2", api_key=KEY)
-    run_app(base, "small", "/small", model=path, model_name="tiny", engine=ENGINE, router="pow2",
-            max_ongoing_requests=1, max_queued_requests=1)
-    model, tok = mlx_load(path)
-    yield base, model, tok
-    stop_serve()
+    with serving() as base:
+        run_app(base, "main", "/", model=path, model_name="tiny", engine=ENGINE, router="pow2", api_key=KEY)
+        run_app(base, "small", "/small", model=path, model_name="tiny", engine=ENGINE, router="pow2",
+                max_ongoing_requests=1, max_queued_requests=1)
+        model, tok = mlx_load(path)
+        yield base, model, tok
 
 
 @pytest.fixture(scope="module")
