@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 
 from .kv_pool import KVPool
+from .output_head import split_output_head
 from .paged_cache import BatchLayout, make_caches
 from .request import Sequence
 from .sampling import SampleResult, SamplerRow, sample
@@ -37,6 +38,7 @@ class Worker:
 
     def __init__(self, model, pool: KVPool, vocab_size: int, stop_ids: List[int]):
         self.model = model
+        self.split = split_output_head(model)  # None: full logits, then slice
         self.pool = pool
         self.vocab = vocab_size
         self.stop_ids = list(stop_ids)
@@ -57,11 +59,15 @@ class Worker:
         for L, chunks in by_len.items():
             inputs = mx.array([c.seq.tokens[c.start : c.start + L] for c in chunks])
             layout = BatchLayout([c.seq.pages for c in chunks], [c.start for c in chunks], L, P)
-            logits = self.model(inputs, cache=make_caches(self.pool, layout))
+            caches = make_caches(self.pool, layout)
+            out = self.split[0](inputs, caches) if self.split else self.model(inputs, cache=caches)
             for i, c in enumerate(chunks):
                 if c.samples:
-                    prefill_logits[id(c)] = logits[i : i + 1, -1, :]
-        last_logits += [prefill_logits[id(c)] for c in plan.prefills if c.samples]
+                    prefill_logits[id(c)] = out[i : i + 1, -1, :]
+        ends = [prefill_logits[id(c)] for c in plan.prefills if c.samples]
+        if ends and self.split:  # hidden states of the sampled positions only
+            ends = [self.split[1](mx.concatenate(ends) if len(ends) > 1 else ends[0])]
+        last_logits += ends
         if not last_logits:
             mx.async_eval(*self.pool.arrays())
             return InFlightStep(plan, None)
