@@ -148,3 +148,20 @@ def test_engine_never_blocks_the_event_loop(model):
     gaps = asyncio.run(main())
     assert len(gaps) > 10 and max(gaps) < 0.25
     eng.shutdown()
+
+
+def test_an_idle_engine_burns_no_cpu(model):
+    """Nothing spins once the last request ends (OpenBLAS's workers spin ~0.1 s by
+    default: on a shared machine that core is taken from Serve's proxy and ingress)."""
+    import resource
+
+    eng = Engine(EngineConfig(max_total_tokens=2048), model=model)
+    try:
+        run_requests(eng, [rand_prompt(64, 3)], 16)
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(0.3)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        assert cpu < 0.03, f"{cpu * 1e3:.0f} ms of CPU in 0.3 s idle"
+    finally:
+        eng.shutdown()
