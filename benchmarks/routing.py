@@ -61,7 +61,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from mlx_worker.gguf import default_model_path  # noqa: E402
 from mlx_worker.paging import PAGE_SIZE, page_hashes  # noqa: E402
-from serve_app.app import build_app  # noqa: E402
+from serve_app.app import build_app, compose_app  # noqa: E402
 from serve_fixtures import free_port, wait_healthy  # noqa: E402  (tests/)
 
 POLICIES = ("prefix", "pow2", "round_robin", "oracle")
@@ -198,7 +198,7 @@ def build(policy: str, model_dir: str, engine: Dict[str, Any], replicas: int, wl
         return build_app(args)
     cls, kwargs = (RoundRobinRouter, {}) if policy == "round_robin" else (
         TenantOracleRouter, {"tenant_of_hash": wl.tenant_of_hash})
-    return build_app(args, {"request_router_class": cls, "request_router_kwargs": kwargs,
+    return compose_app(args, {"request_router_class": cls, "request_router_kwargs": kwargs,
                             "request_routing_stats_period_s": 1})
 
 

@@ -58,7 +58,13 @@ def _replica_options(args: AppArgs) -> Dict[str, Any]:
     return opts
 
 
-def build_app(
+def build_app(args: AppArgs) -> serve.Application:
+    """Serve's application builder (`import_path: serve_app.app:build_app`). Serve
+    requires exactly one parameter and validates the config's `args:` into AppArgs."""
+    return compose_app(args)
+
+
+def compose_app(
     args: Union[AppArgs, Dict[str, Any], None] = None, request_router_config: Optional[Dict[str, Any]] = None
 ) -> serve.Application:
     """The app; `request_router_config` replaces the one `args.router` selects (e.g. a
