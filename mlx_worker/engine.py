@@ -1,8 +1,10 @@
 """The engine: an asyncio facade over a scheduling loop on its own thread."""
 
 import asyncio
+import os
 import queue
 import threading
+import time
 from collections import deque
 from typing import AsyncIterator, Dict, List, Optional, Tuple
 
@@ -174,6 +176,7 @@ class Engine:
         self._stop.set()
         self._commands.put(("stop", None))
         self._thread.join(timeout=30)
+        _wait_os_thread_gone(self._thread)
 
     # --- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -244,6 +247,21 @@ class Engine:
                 by_loop.setdefault(target[0], []).append((target[1], out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
+
+
+def _wait_os_thread_gone(thread: threading.Thread, timeout: float = 2.0) -> None:
+    """join() returns before the OS thread runs its C++ thread-local destructors; MLX's
+    compile cache takes the GIL in one, so an interpreter exiting meanwhile aborts
+    ("terminate called without an active exception"). Wait them out (Linux can tell)."""
+    if thread.is_alive() or thread.native_id is None:
+        return
+    task = f"/proc/self/task/{thread.native_id}"
+    if not os.path.isdir("/proc/self/task"):
+        time.sleep(0.05)
+        return
+    deadline = time.monotonic() + timeout
+    while os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def _merge_ready(out, sink: asyncio.Queue):

@@ -165,3 +165,19 @@ def test_an_idle_engine_burns_no_cpu(model):
         assert cpu < 0.03, f"{cpu * 1e3:.0f} ms of CPU in 0.3 s idle"
     finally:
         eng.shutdown()
+
+
+def test_shutdown_returns_once_the_engine_thread_is_gone(model):
+    """Its C++ thread-local destructors (MLX's compile cache) take the GIL after join();
+    an interpreter that exits before they ran aborts the process."""
+    import ctypes
+    import os
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs Linux's /proc to see OS threads")
+    access = ctypes.PyDLL(None).access  # PyDLL keeps the GIL: the thread can't finish meanwhile
+    eng = Engine(EngineConfig(max_total_tokens=1024), model=model)
+    run_requests(eng, [rand_prompt(20, 4)], 4)
+    task = f"/proc/self/task/{eng._thread.native_id}".encode()
+    eng.shutdown()
+    assert access(task, 0) != 0, "the engine's OS thread outlived shutdown()"
