@@ -1,10 +1,12 @@
 """The engine: an asyncio facade over a scheduling loop on its own thread."""
 
 import asyncio
+import atexit
 import os
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from typing import AsyncIterator, Dict, List, Optional, Tuple
 
@@ -66,6 +68,7 @@ class Engine:
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._thread.start()
+        _live_engines.add(self)
 
     # --- public API ----------------------------------------------------------------
     async def generate(self, request: Request, detokenize: bool = True) -> AsyncIterator[RequestOutput]:
@@ -247,6 +250,17 @@ class Engine:
                 by_loop.setdefault(target[0], []).append((target[1], out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
+
+
+_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    """A script that never called shutdown() must still exit cleanly: an engine thread
+    torn down by the interpreter's finalization aborts the process (see below)."""
+    for engine in list(_live_engines):
+        engine.shutdown()
 
 
 def _wait_os_thread_gone(thread: threading.Thread, timeout: float = 2.0) -> None:

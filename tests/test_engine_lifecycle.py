@@ -181,3 +181,28 @@ def test_shutdown_returns_once_the_engine_thread_is_gone(model):
     task = f"/proc/self/task/{eng._thread.native_id}".encode()
     eng.shutdown()
     assert access(task, 0) != 0, "the engine's OS thread outlived shutdown()"
+
+
+def test_a_script_that_never_calls_shutdown_exits_cleanly():
+    """The interpreter's finalization must not meet a live engine thread (exit 134)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import asyncio\n"
+        "from tiny_models import make_tiny_model\n"
+        "from mlx_worker import Engine, EngineConfig, Request, SamplingParams\n"
+        "engine = Engine(EngineConfig(max_total_tokens=1024), model=make_tiny_model('llama'))\n"
+        "async def main():\n"
+        "    async for _ in engine.generate(Request(rid='a', prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=8))):\n"
+        "        pass\n"
+        "asyncio.run(main())\n"
+        "print('done')\n"
+    )
+    tests = Path(__file__).parent
+    for _ in range(3):  # the abort it guards against is a race: give it three chances
+        r = subprocess.run([sys.executable, "-c", script], cwd=tests.parent, capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "PYTHONPATH": f"{tests}:{tests.parent}"})
+        assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr[-2000:]
