@@ -10,6 +10,7 @@ engine; prefill tok/s; TTFT of a cold prompt vs one whose first 1,000 tokens are
 import argparse
 import asyncio
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -59,6 +60,10 @@ def bench_batch_generator(model, ps, out_len):
     t1 = time.perf_counter()
     gen.close()
     return {"e2e": n / (t1 - t0), "decode": (n - n_at_first) / (t1 - first_all), "tokens": n}
+
+
+def median(runs):
+    return {k: statistics.median(r[k] for r in runs) for k in ("e2e", "decode")}
 
 
 def bench_bare_forward(model, ps, out_len):
@@ -113,6 +118,7 @@ def main():
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--prefix-len", type=int, default=1000)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per system and concurrency; medians are printed")
     args = ap.parse_args()
 
     model, tokenizer = load_model(args.model, args.dtype)
@@ -125,20 +131,25 @@ def main():
     bench_engine(engine, prompts(2, 16, 98), 4, "warm")
 
     rows = []
-    sg = bench_stream_generate(model, tokenizer, prompts(1, args.prompt_len, 1)[0], args.output_len)
+    sg = median([bench_stream_generate(model, tokenizer, prompts(1, args.prompt_len, 1 + r)[0], args.output_len)
+                 for r in range(args.repeat)])
     rows.append(("stream_generate", 1, sg["e2e"], sg["decode"]))
     results = {}
     for c in args.concurrency:
-        ps = prompts(c, args.prompt_len, seed=10 + c)
-        bare = bench_bare_forward(model, ps, args.output_len)
-        bg = bench_batch_generator(model, ps, args.output_len)
-        en = bench_engine(engine, [p[:] for p in prompts(c, args.prompt_len, seed=20 + c)], args.output_len, f"c{c}")
+        runs = []
+        for r in range(args.repeat):  # interleaved, so drift in the machine's speed hits all three alike
+            ps = prompts(c, args.prompt_len, seed=1000 * r + c)  # fresh prompts: no prefix-cache hits
+            runs.append((bench_bare_forward(model, ps, args.output_len),
+                         bench_batch_generator(model, ps, args.output_len),
+                         bench_engine(engine, [p[:] for p in ps], args.output_len, f"c{c}r{r}")))
+        bare, bg, en = (median([run[i] for run in runs]) for i in range(3))
         rows.append(("bare forward (ceiling)", c, bare["e2e"], bare["decode"]))
         rows.append(("mlx-lm BatchGenerator", c, bg["e2e"], bg["decode"]))
         rows.append(("macfarm engine", c, en["e2e"], en["decode"]))
         results[c] = (bg, en, bare)
 
-    print(f"\n## Throughput ({args.prompt_len} prompt / {args.output_len} output tokens, greedy)")
+    print(f"\n## Throughput ({args.prompt_len} prompt / {args.output_len} output tokens, greedy; "
+          f"median of {args.repeat} interleaved runs)")
     print(f"{'system':<24}{'concurrency':>12}{'e2e tok/s':>12}{'decode tok/s':>14}")
     for name, c, e2e, dec in rows:
         print(f"{name:<24}{c:>12}{e2e:>12.1f}{dec:>14.1f}")
@@ -146,7 +157,7 @@ def main():
     for c, (bg, en, bare) in results.items():
         print(f"concurrency {c:>3}: macfarm vs BatchGenerator {en['e2e'] / bg['e2e']:.2f}x   "
               f"of the ceiling: macfarm {en['e2e'] / bare['e2e']:.2f}, BatchGenerator {bg['e2e'] / bare['e2e']:.2f}")
-    # Sampling cost: temperature + top-p at the highest concurrency, same prompts as greedy.
+    # Sampling cost: temperature + top-p at the highest concurrency (fresh prompts: no cache hits).
     c = max(args.concurrency)
     ps = prompts(c, args.prompt_len, seed=20 + c)
     greedy = results[c][1]
