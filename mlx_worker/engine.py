@@ -33,6 +33,7 @@ class EngineConfig(BaseModel):
     kv_memory_fraction: float = Field(0.25, gt=0, le=0.95)
     max_running_requests: int = Field(64, ge=1)
     max_batched_tokens: int = Field(2048, ge=1)  # tokens per step: decode rows + prefill chunks
+    decode_staging_fraction: float = Field(0.25, ge=0)  # dense decode-batch KV, x pool size (decode_kv.py)
     overlap: bool = True  # False: finish each step before scheduling the next (debugging)
 
 
@@ -56,7 +57,8 @@ class Engine:
         self.pages = PageManager(num_pages, config.page_size)
         eos = set(getattr(tokenizer, "eos_token_ids", None) or []) if tokenizer is not None else set()
         self.scheduler = Scheduler(self.pages, eos, config.max_running_requests, config.max_batched_tokens)
-        self.worker = Worker(model, self.pool, self.vocab_size, sorted(eos))
+        self.worker = Worker(model, self.pool, self.vocab_size, sorted(eos),
+                             int(config.decode_staging_fraction * self.pool.nbytes))
         self.kv_bytes_per_token = kv_bytes_per_token(specs, dtype)
         self.num_steps = 0
         self._grammars = None

@@ -61,10 +61,11 @@ class PagedKVCache:
     `update_and_fetch`, `make_mask`); the pool holds the only copy of the KV.
     """
 
-    def __init__(self, pool: KVPool, layer: int, layout: BatchLayout):
+    def __init__(self, pool: KVPool, layer: int, layout: BatchLayout, staged=None):
         self.pool = pool
         self.layer = layer
         self.layout = layout
+        self.staged = staged  # a decode_kv.DecodeKV: read the decode rows from it
 
     @property
     def offset(self):
@@ -72,6 +73,8 @@ class PagedKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self.pool.write(self.layer, self.layout.write_slots, keys, values)
+        if self.staged is not None:
+            return self.staged.update(self.layer, keys, values)
         return self.pool.read(self.layer, self.layout.table)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
@@ -88,5 +91,5 @@ class PagedKVCache:
         return False
 
 
-def make_caches(pool: KVPool, layout: BatchLayout) -> List[PagedKVCache]:
-    return [PagedKVCache(pool, i, layout) for i in range(len(pool.specs))]
+def make_caches(pool: KVPool, layout: BatchLayout, staged=None) -> List[PagedKVCache]:
+    return [PagedKVCache(pool, i, layout, staged) for i in range(len(pool.specs))]

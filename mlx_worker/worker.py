@@ -6,6 +6,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
+from .decode_kv import DecodeStaging
 from .kv_pool import KVPool
 from .output_head import split_output_head
 from .paged_cache import BatchLayout, make_caches
@@ -36,8 +37,9 @@ class Worker:
     device works. `finalize` waits for the tokens and returns them as ints.
     """
 
-    def __init__(self, model, pool: KVPool, vocab_size: int, stop_ids: List[int]):
+    def __init__(self, model, pool: KVPool, vocab_size: int, stop_ids: List[int], staging_bytes: int = 0):
         self.model = model
+        self.staging = DecodeStaging(pool, staging_bytes)
         self.split = split_output_head(model)  # None: full logits, then slice
         self.pool = pool
         self.vocab = vocab_size
@@ -49,8 +51,12 @@ class Worker:
         if plan.decode:
             seqs = [s for s, _ in plan.decode]
             inputs = mx.concatenate([s.next_input for s in seqs])[:, None]
-            layout = BatchLayout([s.pages for s in seqs], [p for _, p in plan.decode], 1, P)
-            last_logits.append(self.model(inputs, cache=make_caches(self.pool, layout))[:, -1, :])
+            offsets = [p for _, p in plan.decode]
+            layout = BatchLayout([s.pages for s in seqs], offsets, 1, P)
+            staged = self.staging.prepare(seqs, offsets, layout)
+            last_logits.append(self.model(inputs, cache=make_caches(self.pool, layout, staged))[:, -1, :])
+        else:
+            self.staging.reset()
         # Prefill chunks of equal length share one forward (rows may start anywhere).
         by_len: Dict[int, list] = {}
         for chunk in plan.prefills:
@@ -83,7 +89,8 @@ class Worker:
                 seq.counts = result.counts[i]
             if result.seen is not None and seq.seen is not None:
                 seq.seen = result.seen[i]
-        mx.async_eval(*result.arrays(), *self.pool.arrays())
+        staged = self.staging.current.arrays() if plan.decode and self.staging.current else []
+        mx.async_eval(*result.arrays(), *self.pool.arrays(), *staged)
         return InFlightStep(plan, result)
 
     def _row(self, seq: Sequence, step: int) -> SamplerRow:

@@ -21,9 +21,20 @@ def prompts(n, lo, hi, seed=0):
     return [[rng.randrange(100, 40000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
+DECODE_KV = {}
+
+
+@pytest.fixture(autouse=True, params=[8.0, 0.0], ids=["staged-decode-kv", "gathered-decode-kv"])
+def decode_kv(request):
+    """Every test twice: decode reading the staged dense KV (decode_kv.py), and gathering
+    from the pool each step."""
+    DECODE_KV["decode_staging_fraction"] = request.param
+    return request.param
+
+
 def engine(model, **kw):
     kw.setdefault("max_total_tokens", 4096)
-    return Engine(EngineConfig(**kw), model=model)
+    return Engine(EngineConfig(**{**DECODE_KV, **kw}), model=model)
 
 
 def check(model, eng, ps, n):
@@ -41,10 +52,11 @@ def test_single_request(model):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_ragged_concurrent_batch(model, overlap):
+def test_ragged_concurrent_batch(model, overlap, decode_kv):
     eng = engine(model, overlap=overlap)
     check(model, eng, prompts(8, 3, 70, seed=1), 20)
     assert eng.stats()["kv_pages_used"] == 0
+    assert (eng.worker.staging.current is not None) == (decode_kv > 0)  # the path under test ran
     eng.shutdown()
 
 
