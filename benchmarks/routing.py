@@ -62,7 +62,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from mlx_worker.gguf import default_model_path  # noqa: E402
 from mlx_worker.paging import PAGE_SIZE, page_hashes  # noqa: E402
 from serve_app.app import build_app, compose_app  # noqa: E402
-from serve_fixtures import free_port, wait_healthy  # noqa: E402  (tests/)
+from serve_fixtures import free_port, stop_farm, wait_healthy  # noqa: E402  (tests/)
 
 POLICIES = ("prefix", "pow2", "round_robin", "oracle")
 APP = "routing-bench"
@@ -499,11 +499,7 @@ def main() -> None:
                 print(f"  {p}: hit {r['hit_rate']:.3f}, TTFT p50 {r['ttft_p50']:.0f} ms, load {r['load']}, "
                       f"{r['ok']}/{r['n']} ok, {r['timing']['total_s']:.0f}s", flush=True)
         finally:
-            try:
-                serve.shutdown()
-            finally:
-                ray.shutdown()
-                cluster.shutdown()
+            stop_farm(cluster)
     report(results, args, time.time() - wall0)
     plot(results, args, Path(args.plot))
     print(f"plot: {args.plot}")

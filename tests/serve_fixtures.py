@@ -69,3 +69,11 @@ def stop_serve():
         serve.shutdown()
     finally:
         ray.shutdown()
+
+
+def stop_farm(cluster) -> None:
+    """stop_serve, then the simulated farm (a ray.cluster_utils.Cluster) under it."""
+    try:
+        stop_serve()
+    finally:
+        cluster.shutdown()

@@ -10,7 +10,7 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
-from serve_fixtures import ENGINE, free_port, run_app, tiny_model_dir
+from serve_fixtures import ENGINE, free_port, run_app, stop_farm, tiny_model_dir
 
 MACS = 3
 
@@ -29,11 +29,7 @@ def farm(tmp_path_factory):
         run_app(base, "farm", "/", model=path, model_name="tiny", engine=ENGINE)  # num_replicas: auto
         yield base
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+        stop_farm(cluster)
 
 
 def test_one_replica_per_mac(farm):

@@ -21,7 +21,7 @@ from mlx_lm import load as mlx_load
 from ray import serve
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
-from serve_fixtures import ENGINE, free_port, run_app, tiny_model_dir
+from serve_fixtures import ENGINE, free_port, run_app, stop_farm, tiny_model_dir
 
 APP = "farm"
 
@@ -106,11 +106,7 @@ def farm(tmp_path_factory):
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         yield Farm(cluster, f"http://127.0.0.1:{port}", path)
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+        stop_farm(cluster)
 
 
 @pytest.fixture(scope="module")
