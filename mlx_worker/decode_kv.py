@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence as Seq
 import mlx.core as mx
 import numpy as np
 
-from .kv_pool import KVPool
+from .kv_pool import KVPool, kv_bytes_per_token
 from .paged_cache import BatchLayout
 
 CAPACITY_STEP = 256  # positions added at a time, as mlx-lm's KVCache
@@ -24,18 +24,15 @@ CAPACITY_STEP = 256  # positions added at a time, as mlx-lm's KVCache
 class DecodeKV:
     """The staged K/V of one decode batch; `update` is called by each layer's cache."""
 
-    def __init__(self, pool: KVPool, key: tuple, offsets: List[int], capacity: int, layout: BatchLayout):
+    def __init__(self, pool: KVPool, offsets: List[int], capacity: int, layout: BatchLayout):
         B = len(offsets)
-        self.key, self.capacity = key, capacity
+        self.capacity = capacity
         self.keys: List[mx.array] = []
         self.values: List[mx.array] = []
         for layer, s in enumerate(pool.specs):
             k = mx.zeros((B, s.n_kv_heads, capacity, s.k_dim), pool.keys[layer].dtype)
             v = mx.zeros((B, s.n_kv_heads, capacity, s.v_dim), pool.values[layer].dtype)
-            if max(offsets) > 0:  # this step's position is overwritten by `update`
-                gk, gv = pool.read(layer, layout.table)
-                k[:, :, : layout.Lk] = gk
-                v[:, :, : layout.Lk] = gv
+            k[:, :, : layout.Lk], v[:, :, : layout.Lk] = pool.read(layer, layout.table)  # `update` writes this step's
             self.keys.append(k)
             self.values.append(v)
         self._rows = mx.arange(B)[:, None]
@@ -43,7 +40,6 @@ class DecodeKV:
         self.step(offsets, layout)
 
     def step(self, offsets: List[int], layout: BatchLayout) -> None:
-        self.lengths = list(offsets)  # positions staged per row before this step
         self.Lk = layout.Lk
         self._pos = mx.array(np.asarray(offsets, np.int32))[:, None]
 
@@ -71,32 +67,28 @@ class DecodeStaging:
     def __init__(self, pool: KVPool, max_bytes: int):
         self.pool = pool
         self.max_bytes = max_bytes
-        self.bytes_per_position = sum(a.dtype.size * a.shape[0] * a.shape[2] for a in pool.arrays())
+        self.bytes_per_position = kv_bytes_per_token(pool.specs, pool.keys[0].dtype)
         self.current: Optional[DecodeKV] = None
-        self._last: Optional[tuple] = None  # (key, offsets) of the last unstaged decode step
+        self._last: Optional[tuple] = None  # (rows, offsets) of the previous decode step
 
     def prepare(self, seqs: Seq, offsets: List[int], layout: BatchLayout) -> Optional[DecodeKV]:
         """The staged KV for this step's decode rows, or None (a new batch, or over the cap)."""
-        key = tuple((s.arrival, s.num_preemptions) for s in seqs)
+        rows = tuple((s.arrival, s.num_preemptions) for s in seqs)
+        last, self._last = self._last, (rows, list(offsets))
+        same_batch = last is not None and last[0] == rows and all(o == n + 1 for o, n in zip(offsets, last[1]))
         need = -(-layout.Lk // CAPACITY_STEP) * CAPACITY_STEP
+        if not same_batch or not self._fits(len(seqs), need):
+            # A changed batch is gathered this step and staged at its second: a rebuild
+            # costs more than the gather it saves, so a batch changing every step gathers.
+            self.current = None
+            return None
         cur = self.current
-        if cur is not None and cur.key == key and all(o == n + 1 for o, n in zip(offsets, cur.lengths)):
+        if cur is None:
+            self.current = DecodeKV(self.pool, offsets, need, layout)
+        else:
             if need > cur.capacity:
-                if not self._fits(len(seqs), need):
-                    self.current = None
-                    return None
                 cur.grow(need)
             cur.step(offsets, layout)
-            return cur
-        self.current = None  # free the old batch's arrays before allocating
-        # Stage a batch only once it ran two steps running: a rebuild costs more than the
-        # gather it saves, so a batch changing every step keeps gathering.
-        seen, self._last = self._last, (key, list(offsets))
-        if seen is None or seen[0] != key or any(o != n + 1 for o, n in zip(offsets, seen[1])):
-            return None
-        if not self._fits(len(seqs), need):
-            return None
-        self.current = DecodeKV(self.pool, key, offsets, need, layout)
         return self.current
 
     def reset(self) -> None:

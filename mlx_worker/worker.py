@@ -89,7 +89,7 @@ class Worker:
                 seq.counts = result.counts[i]
             if result.seen is not None and seq.seen is not None:
                 seq.seen = result.seen[i]
-        staged = self.staging.current.arrays() if plan.decode and self.staging.current else []
+        staged = self.staging.current.arrays() if self.staging.current else []
         mx.async_eval(*result.arrays(), *self.pool.arrays(), *staged)
         return InFlightStep(plan, result)
 
