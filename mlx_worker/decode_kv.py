@@ -25,19 +25,24 @@ class DecodeKV:
     """The staged K/V of one decode batch; `update` is called by each layer's cache."""
 
     def __init__(self, pool: KVPool, offsets: List[int], capacity: int, layout: BatchLayout):
-        B = len(offsets)
+        self.pool = pool
         self.capacity = capacity
-        self.keys: List[mx.array] = []
-        self.values: List[mx.array] = []
-        for layer, s in enumerate(pool.specs):
-            k = mx.zeros((B, s.n_kv_heads, capacity, s.k_dim), pool.keys[layer].dtype)
-            v = mx.zeros((B, s.n_kv_heads, capacity, s.v_dim), pool.values[layer].dtype)
-            k[:, :, : layout.Lk], v[:, :, : layout.Lk] = pool.read(layer, layout.table)  # `update` writes this step's
-            self.keys.append(k)
-            self.values.append(v)
-        self._rows = mx.arange(B)[:, None]
+        # Filled from the pool by each layer's first `update`, after the pool write: a
+        # pool read before a write of the same array in one graph would copy the array.
+        self.keys: List[Optional[mx.array]] = [None] * len(pool.specs)
+        self.values: List[Optional[mx.array]] = [None] * len(pool.specs)
+        self._table = layout.table
+        self._rows = mx.arange(len(offsets))[:, None]
         self._heads = {h: mx.arange(h)[None, :] for h in {s.n_kv_heads for s in pool.specs}}
         self.step(offsets, layout)
+
+    def _stage(self, layer: int) -> None:
+        B, s = self._rows.shape[0], self.pool.specs[layer]
+        k = mx.zeros((B, s.n_kv_heads, self.capacity, s.k_dim), self.pool.keys[layer].dtype)
+        v = mx.zeros((B, s.n_kv_heads, self.capacity, s.v_dim), self.pool.values[layer].dtype)
+        Lk = self._table.shape[-1]
+        k[:, :, :Lk], v[:, :, :Lk] = self.pool.read(layer, self._table)
+        self.keys[layer], self.values[layer] = k, v
 
     def step(self, offsets: List[int], layout: BatchLayout) -> None:
         self.Lk = layout.Lk
@@ -52,6 +57,8 @@ class DecodeKV:
 
     def update(self, layer: int, keys: mx.array, values: mx.array):
         """Store this step's (B, H, 1, D) keys/values; return K/V up to the longest row."""
+        if self.keys[layer] is None:
+            self._stage(layer)
         idx = (self._rows, self._heads[keys.shape[1]], self._pos)
         self.keys[layer][idx] = keys[:, :, 0, :]
         self.values[layer][idx] = values[:, :, 0, :]
@@ -69,6 +76,7 @@ class DecodeStaging:
         self.max_bytes = max_bytes
         self.bytes_per_position = kv_bytes_per_token(pool.specs, pool.keys[0].dtype)
         self.current: Optional[DecodeKV] = None
+        self.num_staged = self.num_gathered = 0  # decode steps that read each
         self._last: Optional[tuple] = None  # (rows, offsets) of the previous decode step
 
     def prepare(self, seqs: Seq, offsets: List[int], layout: BatchLayout) -> Optional[DecodeKV]:
@@ -81,6 +89,7 @@ class DecodeStaging:
             # A changed batch is gathered this step and staged at its second: a rebuild
             # costs more than the gather it saves, so a batch changing every step gathers.
             self.current = None
+            self.num_gathered += 1
             return None
         cur = self.current
         if cur is None:
@@ -89,6 +98,7 @@ class DecodeStaging:
             if need > cur.capacity:
                 cur.grow(need)
             cur.step(offsets, layout)
+        self.num_staged += 1
         return self.current
 
     def reset(self) -> None:

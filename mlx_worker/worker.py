@@ -1,5 +1,6 @@
 """Builds each step's forward passes lazily and runs them on the device asynchronously."""
 
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -29,12 +30,16 @@ class StepTokens:
 
 
 class Worker:
-    """Runs a StepPlan: one batched decode forward plus one forward per prefill chunk,
-    then samples every row that ends its known tokens, in one sampler call.
+    """Runs a StepPlan: one batched decode forward plus one forward per prefill chunk
+    length, then samples every row that ends its known tokens, in one sampler call.
 
-    `launch` only builds the graph and calls `mx.async_eval`; the next step can then be
-    built on the still-lazy tokens (each decoding sequence's `next_input`) while the
-    device works. `finalize` waits for the tokens and returns them as ints.
+    Each forward is built lazily while the device still runs the previous one (the next
+    step is built on the still-lazy tokens, each decoding sequence's `next_input`), but
+    dispatched only once the device has finished everything dispatched before it
+    (`_dispatch`). MLX decides at dispatch whether a write may reuse an array's buffer,
+    and may only when no pending work still reads it: a pool write dispatched while an
+    earlier forward's pool read is pending copies the whole layer array (every layer,
+    every step: the whole pool). `finalize` returns a step's tokens as ints.
     """
 
     def __init__(self, model, pool: KVPool, vocab_size: int, stop_ids: List[int], staging_bytes: int = 0):
@@ -44,6 +49,8 @@ class Worker:
         self.pool = pool
         self.vocab = vocab_size
         self.stop_ids = list(stop_ids)
+        self._busy = False  # work dispatched that the device may not have finished
+        self.device_wait_s = 0.0  # time spent waiting for the device (the rest is host work)
 
     def launch(self, plan: StepPlan) -> InFlightStep:
         P = self.pool.page_size
@@ -54,7 +61,9 @@ class Worker:
             offsets = [p for _, p in plan.decode]
             layout = BatchLayout([s.pages for s in seqs], offsets, 1, P)
             staged = self.staging.prepare(seqs, offsets, layout)
-            last_logits.append(self.model(inputs, cache=make_caches(self.pool, layout, staged))[:, -1, :])
+            logits = self.model(inputs, cache=make_caches(self.pool, layout, staged))[:, -1, :]
+            self._dispatch(logits, *(staged.arrays() if staged else ()))
+            last_logits.append(logits)
         else:
             self.staging.reset()
         # Prefill chunks of equal length share one forward (rows may start anywhere).
@@ -67,15 +76,14 @@ class Worker:
             layout = BatchLayout([c.seq.pages for c in chunks], [c.start for c in chunks], L, P)
             caches = make_caches(self.pool, layout)
             out = self.split[0](inputs, caches) if self.split else self.model(inputs, cache=caches)
-            for i, c in enumerate(chunks):
-                if c.samples:
-                    prefill_logits[id(c)] = out[i : i + 1, -1, :]
+            ends = {id(c): out[i : i + 1, -1, :] for i, c in enumerate(chunks) if c.samples}
+            self._dispatch(*ends.values())
+            prefill_logits.update(ends)
         ends = [prefill_logits[id(c)] for c in plan.prefills if c.samples]
         if ends and self.split:  # hidden states of the sampled positions only
             ends = [self.split[1](mx.concatenate(ends) if len(ends) > 1 else ends[0])]
         last_logits += ends
         if not last_logits:
-            mx.async_eval(*self.pool.arrays())
             return InFlightStep(plan, None)
 
         seqs = plan.sampling_rows()
@@ -89,9 +97,23 @@ class Worker:
                 seq.counts = result.counts[i]
             if result.seen is not None and seq.seen is not None:
                 seq.seen = result.seen[i]
-        staged = self.staging.current.arrays() if self.staging.current else []
-        mx.async_eval(*result.arrays(), *self.pool.arrays(), *staged)
+        mx.async_eval(*result.arrays())  # reads no pool array: no fence needed
         return InFlightStep(plan, result)
+
+    def _dispatch(self, *outputs: mx.array) -> None:
+        """Hand one forward (its outputs and the pool writes it made) to the device, once
+        the device has finished all earlier work, so the writes reuse the pool buffers."""
+        self.fence()
+        mx.async_eval(*outputs, *self.pool.arrays())
+        self._busy = True
+
+    def fence(self) -> None:
+        """Wait until the device has finished everything dispatched so far."""
+        if self._busy:
+            t = time.perf_counter()
+            mx.synchronize()
+            self.device_wait_s += time.perf_counter() - t
+            self._busy = False
 
     def _row(self, seq: Sequence, step: int) -> SamplerRow:
         seq.init_sampling_state(self.vocab)
@@ -109,7 +131,7 @@ class Worker:
     def finalize(self, step: InFlightStep) -> StepTokens:
         r = step.result
         if r is None:
-            mx.eval(*self.pool.arrays())
+            self.fence()
             return StepTokens([])
         out = StepTokens(r.tokens.tolist())
         if r.logprobs is not None:
