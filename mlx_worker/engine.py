@@ -65,7 +65,11 @@ class Engine:
 
         self._commands: "queue.Queue[Tuple[str, object]]" = queue.Queue()
         self._sinks: Dict[str, Tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
+        self._host_s = 0.0  # engine-thread time per step that is not spent waiting for the device
+        self._hashes_version, self._hashes_at = -1, 0.0
+        self._memory = self._memory_budget(weights)
+        self._stats: dict = {}
+        self._publish_stats()
         self._stop = threading.Event()
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
@@ -155,22 +159,40 @@ class Engine:
         self._commands.put(("abort", rid))
 
     def stats(self) -> dict:
-        with self._lock:
-            pm = self.pages
-            return {
-                "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting),
-                "kv_pages_used": pm.used(),
-                "kv_pages_total": pm.num_pages,
-                "kv_pages_cached": len(pm.page_of),
-                "page_size": pm.page_size,
-                "prefix_hit_tokens": pm.hit_tokens,
-                "prefix_query_tokens": pm.query_tokens,
-                "evictions": pm.evictions,
-                "preemptions": self.scheduler.num_preemptions,
-                "steps": self.num_steps,
-                "cached_page_hashes": pm.cached_hashes(),
-            }
+        """Load, KV use, cache counters and cached page hashes, as of the last step. A
+        snapshot the engine thread publishes after each step: never waits on the device."""
+        return dict(self._stats)
+
+    def _memory_budget(self, weights: int) -> dict:
+        return {"weights_bytes": weights, "kv_pool_bytes": self.pool.nbytes}
+
+    def _publish_stats(self) -> None:
+        pm, sched, worker = self.pages, self.scheduler, self.worker
+        now = time.monotonic()
+        hashes = self._stats.get("cached_page_hashes", [])
+        if self._hashes_version != pm.version and (now - self._hashes_at >= HASHES_PERIOD_S or not sched.has_work()):
+            hashes, self._hashes_version, self._hashes_at = pm.cached_hashes(), pm.version, now
+        steps = max(1, self.num_steps)
+        self._stats = {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "kv_pages_used": pm.used(),
+            "kv_pages_total": pm.num_pages,
+            "kv_pages_cached": len(pm.page_of),
+            "page_size": pm.page_size,
+            "prefix_hit_tokens": pm.hit_tokens,
+            "prefix_query_tokens": pm.query_tokens,
+            "evictions": pm.evictions,
+            "preemptions": sched.num_preemptions,
+            "steps": self.num_steps,
+            "decode_steps_staged": worker.staging.num_staged,
+            "decode_steps_gathered": worker.staging.num_gathered,
+            "host_ms_per_step": 1e3 * self._host_s / steps,
+            "device_wait_ms_per_step": 1e3 * worker.device_wait_s / steps,
+            "cached_page_hashes": hashes,
+            "peak_memory_bytes": mx.get_peak_memory(),
+            **self._memory,
+        }
 
     @property
     def error(self) -> Optional[BaseException]:
@@ -198,22 +220,24 @@ class Engine:
         while not self._stop.is_set():
             idle = not inflight and not self.scheduler.has_work()
             self._apply_commands(block=idle)
+            t = time.perf_counter()
+            wait = self.worker.device_wait_s
             if inflight and self.scheduler.needs_sync():
                 self._finish_step(inflight.popleft())
-            with self._lock:
-                plan = self.scheduler.schedule()
-                if plan:
-                    inflight.append(self.worker.launch(plan))
-                    self.num_steps += 1
-                early = self.scheduler.drain_outputs()
-            self._deliver(early)
+            plan = self.scheduler.schedule()
+            if plan:
+                inflight.append(self.worker.launch(plan))
+                self.num_steps += 1
+            self._deliver(self.scheduler.drain_outputs())
             if inflight and (len(inflight) > 1 or not plan or not self.config.overlap):
                 self._finish_step(inflight.popleft())
+            if plan:
+                self._host_s += time.perf_counter() - t - (self.worker.device_wait_s - wait)
 
     def _finish_step(self, step) -> None:
         tokens = self.worker.finalize(step)
-        with self._lock:
-            outputs = self.scheduler.process(step.plan, tokens)
+        outputs = self.scheduler.process(step.plan, tokens)
+        self._publish_stats()
         self._deliver(outputs)
 
     def _grammar_compiler(self):
@@ -231,17 +255,17 @@ class Engine:
             except queue.Empty:
                 break
             block = False
-            with self._lock:
-                if cmd == "add":
-                    seq = Sequence.from_request(arg[0], self.config.page_size)
-                    seq.matcher = arg[1]
-                    out = self.scheduler.add(seq)
-                elif cmd == "abort":
-                    out = self.scheduler.abort(arg)
-                else:
-                    out = None
+            if cmd == "add":
+                seq = Sequence.from_request(arg[0], self.config.page_size)
+                seq.matcher = arg[1]
+                out = self.scheduler.add(seq)
+            elif cmd == "abort":
+                out = self.scheduler.abort(arg)
+            else:
+                out = None
             if out is not None:
                 outputs.append(out)
+        self._publish_stats()
         self._deliver(outputs)
 
     def _deliver(self, outputs: List[RequestOutput]) -> None:
@@ -253,6 +277,8 @@ class Engine:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
+
+HASHES_PERIOD_S = 0.25  # cached page hashes are re-listed at most this often while busy
 
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 

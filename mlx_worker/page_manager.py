@@ -24,6 +24,7 @@ class PageManager:
         self.hit_tokens = 0
         self.query_tokens = 0
         self.evictions = 0
+        self.version = 0  # changes whenever the set of cached hashes does
 
     def available(self) -> int:
         return len(self.free) + len(self.lru)
@@ -43,6 +44,7 @@ class PageManager:
                 page, _ = self.lru.popitem(last=False)
                 del self.page_of[self.hash_of.pop(page)]
                 self.evictions += 1
+                self.version += 1
             self.refs[page] = 1
             pages.append(page)
         return pages
@@ -69,6 +71,7 @@ class PageManager:
             return False
         self.page_of[h] = page
         self.hash_of[page] = h
+        self.version += 1
         return True
 
     def release(self, pages: List[int]) -> None:
@@ -91,3 +94,4 @@ class PageManager:
             del self.page_of[self.hash_of.pop(page)]
             self.free.append(page)
         self.lru.clear()
+        self.version += 1
