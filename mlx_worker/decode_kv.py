@@ -1,16 +1,21 @@
-"""A dense copy of the decode batch's KV, kept across steps.
+"""A dense copy of the decode batch's KV, kept across steps and batch changes.
 
-Gathering every row's pages out of the pool costs each decode step a copy of the
-whole batch's KV per layer (about 15% of a step at 16 rows on CPU). While the decode
-batch stays the same sequences, each step only adds one position per row: this keeps
-(B, H, capacity, D) arrays per layer, scatters the new token's K/V into them (the pool
-still gets its copy, for the prefix cache and later rebuilds) and hands attention a
-slice, as mlx-lm's own KVCache does. A changed batch (a row joins, ends or is
-preempted) is gathered from the pool as before, and staged again once it has run two
-steps unchanged. Its size is capped; past the cap, decode gathers every step.
+Gathering every row's pages out of the pool costs each decode step a copy of the whole
+batch's KV per layer, and attention then reads that copy again. Instead each decode row
+owns a slot of (slots, H, capacity, D) arrays per layer: a step scatters its new token's
+K/V there (the pool still gets its copy, for the prefix cache and later rebuilds) and
+hands attention the first B slots, as mlx-lm's own KVCache hands out a slice.
+
+When the batch changes, only the change is copied: a joining row gathers its history
+from the pool into a free slot, and a leaving row's slot is refilled by moving the last
+row into it, so the batch stays the slots 0..B-1 (the worker orders the decode rows by
+slot). The copies are read in a dispatch of their own before the step (`edits`): a read
+of an array before a write to it in one graph makes MLX copy the whole array.
+
+Past `max_bytes` (slots x capacity) decode gathers from the pool instead.
 """
 
-from typing import List, Optional, Sequence as Seq
+from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -19,90 +24,138 @@ from .kv_pool import KVPool, kv_bytes_per_token
 from .paged_cache import BatchLayout
 
 CAPACITY_STEP = 256  # positions added at a time, as mlx-lm's KVCache
+SLOT_STEP = 8  # slots added at a time
+
+
+def _grow(a: mx.array, axis: int, size: int) -> mx.array:
+    shape = list(a.shape)
+    shape[axis] = size - a.shape[axis]
+    return mx.concatenate([a, mx.zeros(shape, a.dtype)], axis=axis)
 
 
 class DecodeKV:
-    """The staged K/V of one decode batch; `update` is called by each layer's cache."""
+    """The staged K/V of the decode batch; `update` is called by each layer's cache."""
 
-    def __init__(self, pool: KVPool, offsets: List[int], capacity: int, layout: BatchLayout):
+    def __init__(self, pool: KVPool):
         self.pool = pool
-        self.capacity = capacity
-        # Filled from the pool by each layer's first `update`, after the pool write: a
-        # pool read before a write of the same array in one graph would copy the array.
-        self.keys: List[Optional[mx.array]] = [None] * len(pool.specs)
-        self.values: List[Optional[mx.array]] = [None] * len(pool.specs)
-        self._table = layout.table
-        self._rows = mx.arange(len(offsets))[:, None]
+        self.slots = self.capacity = 0
+        self.keys: List[mx.array] = []
+        self.values: List[mx.array] = []
+        for layer, s in enumerate(pool.specs):
+            self.keys.append(mx.zeros((0, s.n_kv_heads, 0, s.k_dim), pool.keys[layer].dtype))
+            self.values.append(mx.zeros((0, s.n_kv_heads, 0, s.v_dim), pool.values[layer].dtype))
         self._heads = {h: mx.arange(h)[None, :] for h in {s.n_kv_heads for s in pool.specs}}
-        self.step(offsets, layout)
+        self._edits: Optional[list] = None
 
-    def _stage(self, layer: int) -> None:
-        B, s = self._rows.shape[0], self.pool.specs[layer]
-        k = mx.zeros((B, s.n_kv_heads, self.capacity, s.k_dim), self.pool.keys[layer].dtype)
-        v = mx.zeros((B, s.n_kv_heads, self.capacity, s.v_dim), self.pool.values[layer].dtype)
-        Lk = self._table.shape[-1]
-        k[:, :, :Lk], v[:, :, :Lk] = self.pool.read(layer, self._table)
-        self.keys[layer], self.values[layer] = k, v
-
-    def step(self, offsets: List[int], layout: BatchLayout) -> None:
-        self.Lk = layout.Lk
-        self._pos = mx.array(np.asarray(offsets, np.int32))[:, None]
-
-    def grow(self, capacity: int) -> None:
+    def resize(self, slots: int, capacity: int) -> None:
         for arrays in (self.keys, self.values):
             for i, a in enumerate(arrays):
-                pad = mx.zeros((*a.shape[:2], capacity - self.capacity, a.shape[3]), a.dtype)
-                arrays[i] = mx.concatenate([a, pad], axis=2)
-        self.capacity = capacity
+                if slots > self.slots:
+                    a = _grow(a, 0, slots)
+                if capacity > self.capacity:
+                    a = _grow(a, 2, capacity)
+                arrays[i] = a
+        self.slots, self.capacity = max(slots, self.slots), max(capacity, self.capacity)
+
+    def edits(self, moves: List[Tuple[int, int]], joins: List[int], join_layout: Optional[BatchLayout]) -> List[mx.array]:
+        """Read the rows this step moves (src -> dst slot) and the pool history of the rows
+        that join (into the `joins` slots); `update` writes them. Returns what to evaluate."""
+        self._edits, arrays = [], []
+        for layer in range(len(self.keys)):
+            e = []
+            if moves:
+                dst, src = (mx.array(np.array(x, np.int32)) for x in zip(*moves))
+                e.append((dst, self.keys[layer][src], self.values[layer][src]))
+            if joins:
+                e.append((mx.array(np.array(joins, np.int32)), *self.pool.read(layer, join_layout.table)))
+            self._edits.append(e)
+            arrays += [a for _, k, v in e for a in (k, v)]
+        return arrays
+
+    def step(self, offsets: List[int]) -> None:
+        self.B, self.Lk = len(offsets), max(offsets) + 1
+        self._rows = mx.arange(self.B)[:, None]
+        self._pos = mx.array(np.asarray(offsets, np.int32))[:, None]
 
     def update(self, layer: int, keys: mx.array, values: mx.array):
-        """Store this step's (B, H, 1, D) keys/values; return K/V up to the longest row."""
-        if self.keys[layer] is None:
-            self._stage(layer)
+        """Store this step's (B, H, 1, D) keys/values; return K/V of slots 0..B-1 up to
+        the longest row."""
+        K, V = self.keys[layer], self.values[layer]
+        for dst, k, v in self._edits[layer]:  # whole moved rows, or joined history 0..n-1
+            K[dst, :, : k.shape[2]], V[dst, :, : v.shape[2]] = k, v
         idx = (self._rows, self._heads[keys.shape[1]], self._pos)
-        self.keys[layer][idx] = keys[:, :, 0, :]
-        self.values[layer][idx] = values[:, :, 0, :]
-        return self.keys[layer][:, :, : self.Lk], self.values[layer][:, :, : self.Lk]
+        K[idx] = keys[:, :, 0, :]
+        V[idx] = values[:, :, 0, :]
+        return K[: self.B, :, : self.Lk], V[: self.B, :, : self.Lk]
 
     def arrays(self) -> List[mx.array]:
         return self.keys + self.values
 
 
 class DecodeStaging:
-    """Keeps one DecodeKV while consecutive decode steps run the same sequences."""
+    """Keeps the DecodeKV of consecutive decode steps; rows join and leave one by one."""
 
     def __init__(self, pool: KVPool, max_bytes: int):
         self.pool = pool
         self.max_bytes = max_bytes
         self.bytes_per_position = kv_bytes_per_token(pool.specs, pool.keys[0].dtype)
         self.current: Optional[DecodeKV] = None
+        self._slot: Dict[tuple, int] = {}  # row key -> slot
+        self._pos: Dict[tuple, int] = {}  # row key -> position it wrote last
         self.num_staged = self.num_gathered = 0  # decode steps that read each
-        self._last: Optional[tuple] = None  # (rows, offsets) of the previous decode step
+        self.num_joined = self.num_moved = 0  # rows copied in: from the pool, from another slot
 
-    def prepare(self, seqs: Seq, offsets: List[int], layout: BatchLayout) -> Optional[DecodeKV]:
-        """The staged KV for this step's decode rows, or None (a new batch, or over the cap)."""
-        rows = tuple((s.arrival, s.num_preemptions) for s in seqs)
-        last, self._last = self._last, (rows, list(offsets))
-        same_batch = last is not None and last[0] == rows and all(o == n + 1 for o, n in zip(offsets, last[1]))
-        need = -(-layout.Lk // CAPACITY_STEP) * CAPACITY_STEP
-        if not same_batch or not self._fits(len(seqs), need):
-            # A changed batch is gathered this step and staged at its second: a rebuild
-            # costs more than the gather it saves, so a batch changing every step gathers.
-            self.current = None
-            self.num_gathered += 1
-            return None
+    @staticmethod
+    def _key(seq) -> tuple:
+        return (seq.arrival, seq.num_preemptions)  # a recomputed sequence is a new row
+
+    def stage(self, decode: Seq, dispatch) -> Tuple[list, Optional[DecodeKV]]:
+        """This step's decode rows (seq, position) in slot order and their staged KV, the
+        batch's changes dispatched; (rows, None) when the batch is over the memory cap.
+
+        Rows that continue keep their slots, except that the last ones move into the slots
+        of rows that left; rows that join (or come back after a gap) take the slots after.
+        """
+        B = len(decode)
+        capacity = -(-(max(p for _, p in decode) + 1) // CAPACITY_STEP) * CAPACITY_STEP
+        slots = -(-B // SLOT_STEP) * SLOT_STEP
         cur = self.current
+        if cur is not None:
+            slots, capacity = max(slots, cur.slots), max(capacity, cur.capacity)
+        if slots * capacity * self.bytes_per_position > self.max_bytes:
+            self.reset()
+            self.num_gathered += 1
+            return list(decode), None
+        keys = [self._key(s) for s, _ in decode]
+        going = [i for i, (k, (_, p)) in enumerate(zip(keys, decode)) if self._pos.get(k) == p - 1]
+        joining = [i for i in range(B) if self._pos.get(keys[i]) != decode[i][1] - 1]
+        n = len(going)
+        new_slot = {i: self._slot[keys[i]] for i in going if self._slot[keys[i]] < n}
+        holes = iter(sorted(set(range(n)) - set(new_slot.values())))
+        moves = []
+        for i in going:
+            if i not in new_slot:
+                new_slot[i] = next(holes)
+                moves.append((new_slot[i], self._slot[keys[i]]))
+        rows = sorted(going, key=new_slot.get) + joining
+        ordered = [decode[i] for i in rows]
         if cur is None:
-            self.current = DecodeKV(self.pool, offsets, need, layout)
-        else:
-            if need > cur.capacity:
-                cur.grow(need)
-            cur.step(offsets, layout)
+            cur = self.current = DecodeKV(self.pool)
+        cur.resize(slots, capacity)
+        join_layout = None
+        if joining:
+            new = [decode[i] for i in joining]
+            join_layout = BatchLayout([s.pages for s, _ in new], [p - 1 for _, p in new], 1, self.pool.page_size)
+        edits = cur.edits(moves, list(range(n, B)), join_layout)
+        if edits:
+            dispatch(*edits)
+        cur.step([p for _, p in ordered])
+        self._slot = {self._key(s): i for i, (s, _) in enumerate(ordered)}
+        self._pos = {self._key(s): p for s, p in ordered}
         self.num_staged += 1
-        return self.current
+        self.num_joined += len(joining)
+        self.num_moved += len(moves)
+        return ordered, cur
 
     def reset(self) -> None:
-        self.current, self._last = None, None
-
-    def _fits(self, rows: int, capacity: int) -> bool:
-        return rows * capacity * self.bytes_per_position <= self.max_bytes
+        self.current, self._slot, self._pos = None, {}, {}

@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from pydantic import BaseModel, Field
 
-from .kv_pool import KVPool, kv_bytes_per_token, pool_pages, probe_layers
+from .kv_pool import KVPool, kv_bytes_per_token, kv_budget, pool_pages, probe_layers
 from .loader import load_model
 from .page_manager import PageManager
 from .paging import PAGE_SIZE
@@ -33,7 +33,7 @@ class EngineConfig(BaseModel):
     kv_memory_fraction: float = Field(0.25, gt=0, le=0.95)
     max_running_requests: int = Field(64, ge=1)
     max_batched_tokens: int = Field(2048, ge=1)  # tokens per step: decode rows + prefill chunks
-    decode_staging_fraction: float = Field(0.25, ge=0)  # dense decode-batch KV, x pool size (decode_kv.py)
+    decode_staging_fraction: float = Field(0.25, ge=0)  # dense decode-batch KV, x the KV memory budget (decode_kv.py)
     overlap: bool = True  # False: finish each step before scheduling the next (debugging)
 
 
@@ -58,7 +58,7 @@ class Engine:
         eos = set(getattr(tokenizer, "eos_token_ids", None) or []) if tokenizer is not None else set()
         self.scheduler = Scheduler(self.pages, eos, config.max_running_requests, config.max_batched_tokens)
         self.worker = Worker(model, self.pool, self.vocab_size, sorted(eos),
-                             int(config.decode_staging_fraction * self.pool.nbytes))
+                             int(config.decode_staging_fraction * kv_budget(weights, config.kv_memory_fraction)))
         self.kv_bytes_per_token = kv_bytes_per_token(specs, dtype)
         self.num_steps = 0
         self._grammars = None
@@ -188,7 +188,7 @@ class Engine:
             "decode_steps_staged": worker.staging.num_staged,
             "decode_steps_gathered": worker.staging.num_gathered,
             "host_ms_per_step": 1e3 * self._host_s / steps,
-            "device_wait_ms_per_step": 1e3 * worker.device_wait_s / steps,
+            "device_ms_per_step": 1e3 * worker.device_s / steps,
             "cached_page_hashes": hashes,
             "peak_memory_bytes": mx.get_peak_memory(),
             **self._memory,
@@ -221,7 +221,7 @@ class Engine:
             idle = not inflight and not self.scheduler.has_work()
             self._apply_commands(block=idle)
             t = time.perf_counter()
-            wait = self.worker.device_wait_s
+            wait = self.worker.device_s
             if inflight and self.scheduler.needs_sync():
                 self._finish_step(inflight.popleft())
             plan = self.scheduler.schedule()
@@ -232,7 +232,7 @@ class Engine:
             if inflight and (len(inflight) > 1 or not plan or not self.config.overlap):
                 self._finish_step(inflight.popleft())
             if plan:
-                self._host_s += time.perf_counter() - t - (self.worker.device_wait_s - wait)
+                self._host_s += time.perf_counter() - t - (self.worker.device_s - wait)
 
     def _finish_step(self, step) -> None:
         tokens = self.worker.finalize(step)

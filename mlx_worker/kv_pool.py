@@ -45,6 +45,11 @@ def device_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def kv_budget(weights_bytes: int, memory_fraction: float) -> int:
+    """Bytes for KV: `memory_fraction` of the device memory left after the weights."""
+    return int(memory_fraction * max(0, device_memory() - weights_bytes))
+
+
 def pool_pages(
     specs: List[LayerSpec],
     dtype: mx.Dtype,
@@ -56,8 +61,7 @@ def pool_pages(
     """Pages that fit `memory_fraction` of device memory left after the weights."""
     if max_total_tokens is not None:
         return max(1, max_total_tokens // page_size)
-    budget = memory_fraction * max(0, device_memory() - weights_bytes)
-    pages = int(budget // (kv_bytes_per_token(specs, dtype) * page_size))
+    pages = kv_budget(weights_bytes, memory_fraction) // (kv_bytes_per_token(specs, dtype) * page_size)
     if pages < 1:
         raise ValueError("no memory left for the KV pool; lower the model size or set max_total_tokens")
     return pages

@@ -1,12 +1,13 @@
 """Greedy tokens from the engine equal mlx-lm's own generation, token for token."""
 
+import asyncio
 import random
 
 import pytest
-from conftest import reference_greedy, run_requests
+from conftest import collect, reference_greedy, run_requests
 from tiny_models import make_tiny_model
 
-from mlx_worker import Engine, EngineConfig
+from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 
 ARCHS = ["llama", "qwen3", "gemma3_text"]  # gemma3_text has sliding-window layers
 
@@ -104,4 +105,29 @@ def test_equal_length_chunks_at_different_offsets_share_a_forward(model):
     # Two rows resume after the cached 32 tokens, two start at 0: all chunks are 20 long.
     check(model, eng, [shared + tails[0], shared + tails[1], tails[2], tails[3]], 10)
     assert eng.stats()["prefix_hit_tokens"] == 64
+    eng.shutdown()
+
+
+def test_rows_join_and_leave_a_running_decode_batch(model, decode_kv):
+    """Churn: requests of different lengths arrive while others decode and end at
+    different steps (staged: joins gather one row from the pool, leaves move a row)."""
+    eng = engine(model, max_total_tokens=8192)
+    ps = prompts(10, 3, 90, seed=8)
+    lengths = [5 + 7 * i % 23 for i in range(len(ps))]
+
+    async def main():
+        async def one(i):
+            await asyncio.sleep(0.02 * i)
+            return await collect(eng, Request(rid=f"c{i}", prompt_ids=ps[i], params=SamplingParams(
+                max_tokens=lengths[i], ignore_eos=True, temperature=0.0)))
+        return await asyncio.gather(*[one(i) for i in range(len(ps))])
+
+    outs = asyncio.run(main())
+    for p, n, (toks, _) in zip(ps, lengths, outs):
+        assert toks == reference_greedy(model, p, n)
+    staging = eng.worker.staging
+    if decode_kv:
+        assert staging.num_joined > len(ps) // 2 and staging.num_moved > 0 and staging.num_gathered == 0
+    else:
+        assert staging.num_staged == 0
     eng.shutdown()
