@@ -17,24 +17,46 @@ class BatchLayout:
     """
 
     def __init__(self, page_tables: Sequence[Sequence[int]], offsets: Sequence[int], L: int, page_size: int):
-        B = len(offsets)
         offs = np.asarray(offsets, dtype=np.int64)
-        ends = offs + L
-        Lk = int(ends.max())
-        pos = np.arange(Lk)
-        table = np.zeros((B, Lk), dtype=np.int64)
-        for b, pages in enumerate(page_tables):
-            n = int(ends[b])
-            p = np.asarray(pages[: (n + page_size - 1) // page_size], dtype=np.int64)
-            table[b, :n] = p[pos[:n] // page_size] * page_size + pos[:n] % page_size
-        writes = table[np.arange(B)[:, None], offs[:, None] + np.arange(L)[None]]
         self.L = L
-        self.Lk = Lk
+        self.Lk = int(offs.max()) + L
         self.offsets_np = offs
+        self.page_tables = page_tables
+        self.page_size = page_size
+        pos = offs[:, None] + np.arange(L)[None]  # (B, L)
+        if L == 1:  # a decode step: one page lookup a row
+            page = np.array([pages[o // page_size] for pages, o in zip(page_tables, offsets)], dtype=np.int64)
+            writes = page[:, None] * page_size + pos % page_size
+        else:
+            writes = self._slots(pos)
         self.write_slots = mx.array(writes[:, None].astype(np.int32))  # (B, 1, L)
-        self.table = mx.array(table[:, None].astype(np.int32))  # (B, 1, Lk)
-        self.offset = mx.array(offs.astype(np.int32)) if B > 1 else int(offs[0])
+        self.offset = mx.array(offs.astype(np.int32)) if len(offs) > 1 else int(offs[0])
+        self._table: Optional[mx.array] = None
         self._masks: Dict[Optional[int], Optional[mx.array]] = {}
+
+    def _slots(self, pos: np.ndarray) -> np.ndarray:
+        """Pool slots of positions `pos` (B, n), each row's below its own end."""
+        P = self.page_size
+        out = np.zeros(pos.shape, dtype=np.int64)
+        for b, pages in enumerate(self.page_tables):
+            p = pos[b]
+            n = int(p.max()) + 1 if p.size else 0
+            row_pages = np.asarray(pages[: (n + P - 1) // P], dtype=np.int64)
+            out[b] = row_pages[p // P] * P + p % P
+        return out
+
+    @property
+    def table(self) -> mx.array:
+        """(B, 1, Lk): the pool slot of every key position of each row; padding past a
+        row's end reads slot 0 (hidden by the mask). Built on first use: staged decode
+        steps never read the pool."""
+        if self._table is None:
+            ends = self.offsets_np + self.L
+            pos = np.broadcast_to(np.arange(self.Lk), (len(ends), self.Lk))
+            table = self._slots(np.minimum(pos, ends[:, None] - 1))
+            table[pos >= ends[:, None]] = 0
+            self._table = mx.array(table[:, None].astype(np.int32))
+        return self._table
 
     def mask(self, window: Optional[int] = None) -> Optional[mx.array]:
         if window not in self._masks:
