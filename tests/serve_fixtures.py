@@ -1,8 +1,13 @@
 """A real local Ray cluster with the macfarm app on a tiny model, shared by a module."""
 
 import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import ray
@@ -57,6 +62,37 @@ def wait_healthy(base: str, timeout: float = 120) -> None:
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{base} did not come up")
+
+
+@contextlib.contextmanager
+def serve_run(config_path: Path, port: int, cwd: Path):
+    """`serve run` on a config as a user starts it (its own local Ray cluster); yields the
+    base URL once healthy. Torn down with everything it started: Ray's processes outlive
+    `serve run` when it is interrupted, and would eat the next tests' CPU."""
+    import psutil  # after ray (imported above): Ray ships psutil in ray/thirdparty_files
+
+    serve_bin = str(Path(sys.executable).with_name("serve"))
+    proc = subprocess.Popen([serve_bin, "run", "--address", "local", str(config_path)], cwd=cwd,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    leader = psutil.Process(proc.pid)
+    tree = {}
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, timeout=240)
+        yield base
+    finally:
+        with contextlib.suppress(psutil.Error):
+            tree = {p.pid: p for p in leader.children(recursive=True)}
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: serve run tears the app and its cluster down
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for p in tree.values():
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(list(tree.values()), timeout=10)
 
 
 def run_app(base: str, name: str, route: str, **args):

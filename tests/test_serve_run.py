@@ -1,9 +1,5 @@
 """The user's path: `serve run` on deploy/app.yaml, through Serve's own config loading."""
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +9,7 @@ from pydantic import ValidationError
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray._common.utils import import_attr
 from ray.serve import Application
-from serve_fixtures import free_port, tiny_model_dir, wait_healthy
+from serve_fixtures import free_port, serve_run, tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = yaml.safe_load((ROOT / "deploy" / "app.yaml").read_text())
@@ -43,21 +39,9 @@ def test_serve_run_of_the_shipped_config(tmp_path_factory):
     args["engine"] = {**args["engine"], "max_total_tokens": 4096}
     path = tmp_path_factory.mktemp("config") / "app.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    serve_bin = str(Path(sys.executable).with_name("serve"))
-    proc = subprocess.Popen([serve_bin, "run", "--address", "local", str(path)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_healthy(base, timeout=180)
+    with serve_run(path, port, ROOT) as base:
         client = OpenAI(base_url=f"{base}/v1", api_key="unused")
         model = client.models.list().data[0].id
         r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=5, temperature=0)
         assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: serve run tears the app and its cluster down
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()

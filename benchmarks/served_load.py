@@ -1,0 +1,60 @@
+"""The deployed app under concurrent clients: `serve run deploy/app.yaml` as shipped
+(only the HTTP port moved to loopback), N client loops of mixed chat and completion
+requests (streamed and not, prompts of a few words to ~1,500 tokens) for T seconds,
+and /v1/stats polled throughout.
+
+    python benchmarks/served_load.py --loops 64 --seconds 300
+
+Prints completed requests, latency percentiles, output tok/s, /v1/stats latency and
+the engine's counters.
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from load_clients import run_load  # noqa: E402
+from serve_fixtures import free_port, serve_run  # noqa: E402
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--loops", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=300)
+    a = ap.parse_args()
+    cfg = yaml.safe_load((ROOT / "deploy" / "app.yaml").read_text())
+    port = free_port()
+    cfg["http_options"] = {**cfg["http_options"], "host": "127.0.0.1", "port": port}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "app.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        with serve_run(path, port, ROOT) as base:
+            httpx.get(f"{base}/v1/stats", timeout=60)
+            res = run_load(base, a.loops, a.seconds)
+            st = httpx.get(f"{base}/v1/stats", timeout=60).json()["replica"]
+    lat, sl = res.latencies, res.stats_latencies
+    print(f"\n## deploy/app.yaml, {a.loops} client loops for {a.seconds:.0f} s")
+    print(f"requests completed {len(lat)}, failed {len(res.errors)}; output tokens {res.output_tokens}")
+    print(f"latency s: p50 {statistics.median(lat):.1f}  p95 {pct(lat, 0.95):.1f}  max {max(lat):.1f}")
+    print(f"/v1/stats ms: p50 {1e3 * statistics.median(sl):.0f}  p95 {1e3 * pct(sl, 0.95):.0f}  max {1e3 * max(sl):.0f}")
+    print("engine: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in st.items()))
+    for e in res.errors[:5]:
+        print("error:", e)
+
+
+if __name__ == "__main__":
+    main()
