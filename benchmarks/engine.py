@@ -1,18 +1,30 @@
 """Engine benchmark: macfarm vs mlx-lm on the same model and dtype, in one run.
 
-    python benchmarks/engine.py [--model PATH] [--dtype auto] [--concurrency 1 4 16]
+    python benchmarks/engine.py [--model PATH] [--dtype auto] [--quick]
+        [--scenarios uniform churn long mixed] [--pools 32768 default]
 
-Prints one table: end-to-end output tok/s (prefill included) and decode tok/s at each
-concurrency for mlx_lm.stream_generate (batch 1), mlx-lm's BatchGenerator and the
-engine; prefill tok/s; TTFT of a cold prompt vs one whose first 1,000 tokens are cached.
+Scenarios, each run once per KV pool size (an engine with max_total_tokens=32768, and
+one with EngineConfig's defaults, as deployed), built one at a time:
+  uniform  end-to-end output tok/s (prefill included) and decode tok/s at each
+           concurrency for mlx_lm.stream_generate (batch 1), mlx-lm's BatchGenerator,
+           the engine and the bare forward; sampling cost; prefill tok/s; TTFT of a cold
+           prompt vs one whose first 1,000 tokens are cached.
+  churn    one seeded Poisson arrival schedule of mixed prompt and output lengths through
+           the engine and BatchGenerator: tok/s, TTFT and inter-token latency.
+  long     4 prompts of 1,536 and 4 of 8,192 tokens, all at once: e2e and decode tok/s.
+  host     host work per step at decode batches of 32 and 128 rows.
+  mixed    whether a forward mixing unequal prompts (or a prefill with a decode) costs
+           more than its tokens, and the MLX peak-memory growth of such a step.
+Ends with a summary table: scenario x pool. --quick shrinks every size (a smoke run).
 """
 
 import argparse
 import asyncio
-import random
+import gc
 import statistics
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,11 +37,21 @@ from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
 from mlx_worker.loader import load_model  # noqa: E402
+from traffic import Trace, prompts, schedule, summarize  # noqa: E402  (benchmarks/traffic.py)
+
+SCENARIOS = ("uniform", "churn", "long", "host", "mixed")
+# mlx_lm.server's BatchGenerator: --decode-concurrency, --prompt-concurrency, --prefill-step-size.
+SERVER_BG = dict(completion_batch_size=32, prefill_batch_size=8, prefill_step_size=2048)
+FULL = dict(prompt_len=128, output_len=128, concurrency=[1, 4, 16], prefix_len=1000, repeat=3,
+            requests=40, rate=0.32, churn_prompt=[16, 1536], churn_output=[16, 256],
+            long_lens=[1536, 8192], long_n=4, long_output=48, mixed_len=200, host_rows=[32, 128])
+QUICK = dict(prompt_len=32, output_len=8, concurrency=[1, 4], prefix_len=128, repeat=1,
+             requests=6, rate=2.0, churn_prompt=[16, 128], churn_output=[4, 16],
+             long_lens=[128, 256], long_n=4, long_output=8, mixed_len=48, host_rows=[32])
 
 
-def prompts(n, length, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(n)]
+def params(max_tokens, temperature=0.0, top_p=1.0):
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, top_p=top_p)
 
 
 def bench_stream_generate(model, tokenizer, prompt, out_len):
@@ -91,7 +113,7 @@ async def _engine_run(engine, ps, out_len, tag, temperature=0.0, top_p=1.0):
 
     async def one(i, p):
         rid = f"{tag}-{i}"
-        async for out in engine.generate(Request(rid=rid, prompt_ids=p, params=SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=temperature, top_p=top_p))):
+        async for out in engine.generate(Request(rid=rid, prompt_ids=p, params=params(out_len, temperature, top_p))):
             counts[rid] = counts.get(rid, 0) + len(out.token_ids)
             firsts.setdefault(rid, time.perf_counter())
             if len(firsts) == len(ps) and "all" not in firsts:
@@ -103,33 +125,77 @@ async def _engine_run(engine, ps, out_len, tag, temperature=0.0, top_p=1.0):
     n = sum(v for k, v in counts.items() if k != "at_all")
     decode = (n - counts["at_all"]) / (t1 - firsts["all"]) if t1 > firsts["all"] else float("nan")
     ttft = min(v for k, v in firsts.items() if k != "all") - t0
-    return {"e2e": n / (t1 - t0), "decode": decode, "tokens": n, "ttft": ttft}
+    return {"e2e": n / (t1 - t0), "decode": decode, "tokens": n, "ttft": ttft, "wall": t1 - t0}
 
 
 def bench_engine(engine, ps, out_len, tag, temperature=0.0, top_p=1.0):
     return asyncio.run(_engine_run(engine, ps, out_len, tag, temperature, top_p))
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="HF id, mlx-lm dir or .gguf (default: embedded SmolLM2-135M)")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--prefix-len", type=int, default=1000)
-    ap.add_argument("--repeat", type=int, default=3, help="runs per system and concurrency; medians are printed")
-    args = ap.parse_args()
+# --- arrivals over time -----------------------------------------------------------------
+async def _engine_schedule(engine, sched, tag):
+    trace = Trace.begin(time.perf_counter(), sched)
 
-    model, tokenizer = load_model(args.model, args.dtype)
-    dtype = next(v.dtype for k, v in mlx_worker.engine.tree_flatten(model.parameters()) if "norm" in k)
-    print(f"model={args.model or 'default SmolLM2-135M-Instruct'} dtype={dtype} device={mx.default_device()}")
-    engine = Engine(EngineConfig(max_total_tokens=32768, max_running_requests=64), model=model, tokenizer=tokenizer)
+    async def one(i, a):
+        await asyncio.sleep(max(0.0, trace.arrivals[i] - time.perf_counter()))
+        async for out in engine.generate(Request(rid=f"{tag}-{i}", prompt_ids=a.prompt[:], params=params(a.max_tokens))):
+            trace.tokens[i].extend([time.perf_counter()] * len(out.token_ids))
 
-    # Warm-up both paths once (graph caches, allocator).
-    bench_stream_generate(model, tokenizer, prompts(1, 16, 99)[0], 4)
-    bench_engine(engine, prompts(2, 16, 98), 4, "warm")
+    await asyncio.gather(*[one(i, a) for i, a in enumerate(sched)])
+    return trace
 
+
+def engine_schedule(engine, sched, tag):
+    """Run the schedule through the engine: one task per request, started at its arrival."""
+    return asyncio.run(_engine_schedule(engine, sched, tag))
+
+
+def batch_generator_schedule(model, sched):
+    """Run the schedule through BatchGenerator as mlx_lm.server drives it: requests that
+    have arrived are inserted between `next()` calls."""
+    gen = BatchGenerator(model, stop_tokens=[], **SERVER_BG)
+    trace = Trace.begin(time.perf_counter(), sched)
+    pending, live = deque(range(len(sched))), {}  # live: uid -> request index
+    while pending or live:
+        now = time.perf_counter()
+        while pending and trace.arrivals[pending[0]] <= now:
+            i = pending.popleft()
+            live[gen.insert([sched[i].prompt], [sched[i].max_tokens])[0]] = i
+        if not live:
+            time.sleep(max(0.0, trace.arrivals[pending[0]] - now))
+            continue
+        _, responses = gen.next()
+        t = time.perf_counter()
+        for r in responses:
+            trace.tokens[live[r.uid]].append(t)
+            if r.finish_reason is not None:
+                del live[r.uid]
+    gen.close()
+    return trace
+
+
+# --- engine counters ----------------------------------------------------------------------
+def counters(engine):
+    s = engine.stats()
+    return {"steps": s["steps"], "host_ms": s["host_ms_per_step"] * s["steps"], "staged": s["decode_steps_staged"],
+            "gathered": s["decode_steps_gathered"], "preemptions": s["preemptions"]}
+
+
+def since(before, engine):
+    """Counter deltas since `before`, and the host ms per step over that span."""
+    d = {k: v - before[k] for k, v in counters(engine).items()}
+    d["host_ms_per_step"] = d["host_ms"] / d["steps"] if d["steps"] else float("nan")
+    return d
+
+
+def print_counters(d):
+    print(f"engine: {d['steps']} steps, host {d['host_ms_per_step']:.2f} ms/step, decode steps staged "
+          f"{d['staged']} / gathered {d['gathered']}, preemptions {d['preemptions']}")
+
+
+# --- scenarios: each prints its section and returns rows for the summary -------------------
+def run_uniform(engine, model, tokenizer, args):
+    before = counters(engine)
     rows = []
     sg = median([bench_stream_generate(model, tokenizer, prompts(1, args.prompt_len, 1 + r)[0], args.output_len)
                  for r in range(args.repeat)])
@@ -174,9 +240,7 @@ def main():
     # Prefill speed: one long prompt, one output token.
     long = prompts(1, args.prefix_len + 24, seed=5)[0]
     sgp = bench_stream_generate(model, tokenizer, long, 1)
-    t0 = time.perf_counter()
-    bench_engine(engine, [long], 1, "prefill")
-    en_prefill = len(long) / (time.perf_counter() - t0)
+    en_prefill = len(long) / bench_engine(engine, [long], 1, "prefill")["wall"]
     print(f"\n## Prefill ({len(long)} tokens)")
     print(f"stream_generate {sgp['prefill']:.1f} tok/s   macfarm engine {en_prefill:.1f} tok/s")
 
@@ -188,7 +252,221 @@ def main():
     print(f"cold {cold * 1e3:.0f} ms   cached {warm * 1e3:.0f} ms   ratio {warm / cold:.3f}x (target <= 0.2x)")
     st = engine.stats()
     print(f"prefix hit tokens {st['prefix_hit_tokens']}  preemptions {st['preemptions']}")
-    engine.shutdown()
+    d = since(before, engine)
+    print_counters(d)
+    bg, en, _ = results[c]
+    return [{"scenario": f"uniform c={c}", "e2e": en["e2e"] / bg["e2e"], "decode": en["decode"] / bg["decode"],
+             "host": d["host_ms_per_step"]}]
+
+
+def run_churn(engine, model, args):
+    sched = schedule(args.requests, args.rate, args.churn_prompt, args.churn_output, seed=args.seed)
+    print(f"\n## Churn: {args.requests} requests, Poisson {args.rate}/s (seed {args.seed}, arrivals over "
+          f"{sched[-1].at:.0f} s), prompts {args.churn_prompt[0]}..{args.churn_prompt[1]}, outputs "
+          f"{args.churn_output[0]}..{args.churn_output[1]} tokens, greedy, EOS ignored")
+    bg = summarize(batch_generator_schedule(model, sched))
+    before = counters(engine)
+    en = summarize(engine_schedule(engine, sched, "churn"))
+    d = since(before, engine)
+    print(f"{'system':<24}{'tok/s':>8}{'TTFT p50':>10}{'p95 ms':>8}{'ITL p50':>9}{'p95':>7}{'max ms':>8}"
+          f"{'in flight':>11}{'span s':>8}")
+    for name, s in (("mlx-lm BatchGenerator", bg), ("macfarm engine", en)):
+        ms = {k: 1e3 * s[k] for k in ("ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "itl_max")}
+        print(f"{name:<24}{s['tok_s']:>8.1f}{ms['ttft_p50']:>10.0f}{ms['ttft_p95']:>8.0f}{ms['itl_p50']:>9.0f}"
+              f"{ms['itl_p95']:>7.0f}{ms['itl_max']:>8.0f}{s['in_flight']:>11.1f}{s['span']:>8.1f}")
+    r = {k: en[k] / bg[k] for k in ("tok_s", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "itl_max")}
+    print("macfarm/BatchGenerator: " + "  ".join(f"{k} {v:.2f}x" for k, v in r.items()))
+    print_counters(d)
+    return [{"scenario": "churn", "e2e": r["tok_s"], "ttft": r["ttft_p50"],
+             "itl": (1e3 * en["itl_p95"], 1e3 * bg["itl_p95"]), "host": d["host_ms_per_step"]}]
+
+
+def run_long(engine, model, args):
+    print(f"\n## Long context ({args.long_n} prompts at once, {args.long_output} output tokens each, greedy)")
+    print(f"{'prompt':>7}  {'system':<24}{'e2e tok/s':>10}{'decode tok/s':>14}")
+    rows = []
+    for n in args.long_lens:
+        ps = prompts(args.long_n, n, seed=30000 + n)
+        bg = bench_batch_generator(model, ps, args.long_output)
+        before = counters(engine)
+        en = bench_engine(engine, [p[:] for p in ps], args.long_output, f"long{n}")
+        d = since(before, engine)
+        for name, s in (("mlx-lm BatchGenerator", bg), ("macfarm engine", en)):
+            print(f"{n:>7}  {name:<24}{s['e2e']:>10.1f}{s['decode']:>14.1f}")
+        r = {k: en[k] / bg[k] for k in ("e2e", "decode")}
+        print(f"{n:>7}  macfarm/BatchGenerator: e2e {r['e2e']:.2f}x  decode {r['decode']:.2f}x")
+        print_counters(d)
+        rows.append({"scenario": f"long {n}", **r, "host": d["host_ms_per_step"]})
+    return rows
+
+
+def run_host(engine, args):
+    """Host work per step (scheduling, graph building, token handling, delivery: the
+    engine thread's time not spent dispatching to or waiting for the device) at decode
+    batches of `host_rows` rows (16-token prompts, 64 output tokens)."""
+    print("\n## Host work per step (engine thread, device time excluded)")
+    rows = []
+    for n in args.host_rows:
+        before = counters(engine)
+        bench_engine(engine, prompts(n, 16, seed=60000 + n), 64, f"host{n}")
+        d = since(before, engine)
+        target = 2.0 if n <= 32 else 4.0 * n / 128
+        print(f"{n:>4} rows: {d['host_ms_per_step']:.2f} ms/step over {d['steps']} steps (target <= {target:.1f})")
+        rows.append({"scenario": f"host {n} rows", "host": d["host_ms_per_step"]})
+    return rows
+
+
+async def _join_while_decoding(engine, prompt, seed):
+    """Seconds from submitting `prompt` (one output token) to its token, while another
+    request is decoding; the other request is aborted afterwards."""
+    decoding = asyncio.Event()
+
+    async def background():
+        req = Request(rid=f"bg{seed}", prompt_ids=prompts(1, 16, seed)[0], params=params(100_000))
+        n = 0
+        async for out in engine.generate(req):
+            n += len(out.token_ids)
+            if n >= 4:
+                decoding.set()
+
+    task = asyncio.create_task(background())
+    await decoding.wait()
+    t0 = time.perf_counter()
+    async for _ in engine.generate(Request(rid=f"join{seed}", prompt_ids=prompt, params=params(1))):
+        pass
+    dt = time.perf_counter() - t0
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return dt
+
+
+def run_mixed(engine, args):
+    """(a) prompts of n and n+1 tokens in one step vs (b) n and n (same tokens, equal
+    lengths); (c) an n-token prompt joining a decoding request vs alone. Fresh prompts
+    throughout (no prefix-cache hits); medians of --repeat runs."""
+    n, seeds = args.mixed_len, iter(range(40000, 50000))
+
+    def fresh(*lens):
+        return [prompts(1, k, seed=next(seeds))[0] for k in lens]
+
+    def wall(ps, tag):
+        return bench_engine(engine, ps, 1, tag)["wall"]
+
+    before = counters(engine)
+    a, b, c, solo, peak = [], [], [], [], []
+    for r in range(args.repeat):
+        gc.collect()  # arrays of earlier runs freed now, not during (a)
+        mx.synchronize()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        a.append(wall(fresh(n, n + 1), f"mixa{r}"))
+        peak.append((mx.get_peak_memory() - base) / 2**20)
+        b.append(wall(fresh(n, n), f"mixb{r}"))
+        c.append(asyncio.run(_join_while_decoding(engine, fresh(n)[0], next(seeds))))
+        wall(fresh(8), f"flush{r}")  # a step after the abort: the decoding request is gone
+        solo.append(wall(fresh(n), f"solo{r}"))
+    d = since(before, engine)
+    a, b, c, solo = (statistics.median(x) for x in (a, b, c, solo))
+    pool = engine.pool.nbytes / 2**20
+    print(f"\n## Mixed step (one output token each; median of {args.repeat})")
+    print(f"(a) {n} + {n + 1} tokens together {a * 1e3:.0f} ms   (b) {n} + {n} {b * 1e3:.0f} ms   "
+          f"ratio (a)/(b) {a / b:.2f}x (target <= 1.3x)")
+    print(f"(c) {n}-token prompt joining a decoding request {c * 1e3:.0f} ms   alone {solo * 1e3:.0f} ms   "
+          f"ratio {c / solo:.2f}x")
+    note = " (below 0: the peak stayed under the memory active before the step)" if max(peak) < 0 else ""
+    print(f"MLX peak-memory growth during (a): max {max(peak):.1f} MiB{note}   KV pool {pool:.0f} MiB")
+    print_counters(d)
+    return [{"scenario": "mixed", "mixed": a / b, "peak": max(peak), "host": d["host_ms_per_step"]}]
+
+
+# --- driver -------------------------------------------------------------------------------
+def build_engine(model, tokenizer, pool, max_running):
+    """An engine with a pool of `pool` tokens, or EngineConfig's default pool ("default")."""
+    size = {} if pool == "default" else {"max_total_tokens": int(pool)}
+    engine = Engine(EngineConfig(max_running_requests=max_running, **size), model=model, tokenizer=tokenizer)
+    bench_engine(engine, prompts(2, 16, 98), 4, "warm")  # graph caches, allocator
+    return engine
+
+
+def print_summary(rows):
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    print("\n## Summary (x: macfarm / BatchGenerator; ITL p95 ms: macfarm / BatchGenerator)")
+    print(f"{'scenario':<16}{'pool':>9}{'e2e x':>8}{'decode x':>10}{'TTFT p50 x':>12}{'ITL p95 ms':>13}"
+          f"{'host ms/step':>14}{'mixed x':>9}{'peak MiB':>10}")
+    for r in rows:
+        itl = "-" if "itl" not in r else f"{r['itl'][0]:.0f} / {r['itl'][1]:.0f}"
+        print(f"{r['scenario']:<16}{r['pool']:>9}{f(r.get('e2e'), '.2f'):>8}{f(r.get('decode'), '.2f'):>10}"
+              f"{f(r.get('ttft'), '.2f'):>12}{itl:>13}{f(r.get('host'), '.2f'):>14}"
+              f"{f(r.get('mixed'), '.2f'):>9}{f(r.get('peak'), '.1f'):>10}")
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+    def sized(flag, help, **kw):  # default from FULL, or QUICK under --quick
+        key = flag[2:].replace("-", "_")
+        ap.add_argument(flag, default=None, help=f"{help} (default {FULL[key]}; --quick {QUICK[key]})", **kw)
+
+    ap.add_argument("--model", default=None, help="HF id, mlx-lm dir or .gguf (default: embedded SmolLM2-135M)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    ap.add_argument("--pools", nargs="+", default=["32768", "default"],
+                    help="KV pool sizes in tokens, or 'default' (EngineConfig's kv_memory_fraction)")
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap.add_argument("--seed", type=int, default=0, help="churn schedule seed")
+    sized("--prompt-len", "uniform prompt tokens", type=int)
+    sized("--output-len", "uniform output tokens", type=int)
+    sized("--concurrency", "uniform concurrencies", type=int, nargs="+")
+    sized("--prefix-len", "cached-prefix tokens (and the prefill prompt)", type=int)
+    sized("--repeat", "runs per uniform system and mixed-step case; medians are printed", type=int)
+    sized("--requests", "churn requests", type=int)
+    sized("--rate", "churn arrivals per second", type=float)
+    sized("--churn-prompt", "churn prompt tokens, LO HI", type=int, nargs=2)
+    sized("--churn-output", "churn output tokens, LO HI", type=int, nargs=2)
+    sized("--long-lens", "long-context prompt lengths (e.g. drop 8192)", type=int, nargs="+")
+    sized("--long-n", "long-context prompts per length", type=int)
+    sized("--long-output", "long-context output tokens", type=int)
+    sized("--mixed-len", "mixed-step prompt tokens n (n + n+1 vs n + n)", type=int)
+    sized("--host-rows", "decode batch sizes for the host-work section", type=int, nargs="+")
+    args = ap.parse_args()
+    for k, v in (QUICK if args.quick else FULL).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    for p in args.pools:
+        if p != "default" and not p.isdigit():
+            ap.error(f"--pools: {p!r} is neither a token count nor 'default'")
+    return args
+
+
+def main():
+    args = parse_args()
+    model, tokenizer = load_model(args.model, args.dtype)
+    dtype = next(v.dtype for k, v in mlx_worker.engine.tree_flatten(model.parameters()) if "norm" in k)
+    print(f"model={args.model or 'default SmolLM2-135M-Instruct'} dtype={dtype} device={mx.default_device()}")
+    # Warm-up the mlx-lm paths once (graph caches, allocator).
+    bench_stream_generate(model, tokenizer, prompts(1, 16, 99)[0], 4)
+    bench_batch_generator(model, prompts(2, 16, 97), 4)
+
+    summary = []
+    for pool in args.pools:
+        engine = build_engine(model, tokenizer, pool, max(64, *args.host_rows))
+        print(f"\n# KV pool {pool}: {engine.pool.nbytes / 2**30:.2f} GiB, "
+              f"{engine.stats()['kv_pages_total'] * engine.stats()['page_size']} tokens")
+        runs = {"uniform": lambda: run_uniform(engine, model, tokenizer, args),
+                "churn": lambda: run_churn(engine, model, args),
+                "long": lambda: run_long(engine, model, args),
+                "host": lambda: run_host(engine, args),
+                "mixed": lambda: run_mixed(engine, args)}  # last: its aborted request never overlaps others
+        for name in SCENARIOS:
+            if name in args.scenarios:
+                summary += [{**row, "pool": pool} for row in runs[name]()]
+        engine.shutdown()
+        del engine, runs
+        gc.collect()
+        mx.clear_cache()
+    print_summary(summary)
 
 
 if __name__ == "__main__":
