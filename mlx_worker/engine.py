@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from pydantic import BaseModel, Field
 
+from .activations import activation_budget
 from .kv_pool import KVPool, kv_bytes_per_token, kv_budget, pool_pages, probe_layers
 from .loader import load_model
 from .page_manager import PageManager
@@ -164,7 +165,12 @@ class Engine:
         return dict(self._stats)
 
     def _memory_budget(self, weights: int) -> dict:
-        return {"weights_bytes": weights, "kv_pool_bytes": self.pool.nbytes}
+        """What peak memory should stay within: weights + pool + staging + activations."""
+        c = self.config
+        return {"weights_bytes": weights, "kv_pool_bytes": self.pool.nbytes,
+                "decode_staging_budget_bytes": self.worker.staging.max_bytes,
+                "activation_budget_bytes": activation_budget(self.model, c.max_batched_tokens,
+                                                             c.max_running_requests, self.vocab_size)}
 
     def _publish_stats(self) -> None:
         pm, sched, worker = self.pages, self.scheduler, self.worker

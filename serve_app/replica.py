@@ -40,12 +40,18 @@ class ReplicaMetrics:
                                 description="Requests that ended, by finish reason (stop, length, abort, error).")
         self.preemptions = Counter("macfarm_preemptions", description="Requests preempted (recomputed) for KV pages.")
         self.evictions = Counter("macfarm_prefix_cache_evictions", description="Cached pages evicted (LRU).")
+        self.staged = Counter("macfarm_decode_steps_staged",
+                              description="Decode steps that read the batch's KV from its dense staged copy.")
+        self.gathered = Counter("macfarm_decode_steps_gathered",
+                                description="Decode steps that gathered the batch's KV from the pool (staging over its cap).")
+        self.host_ms = Gauge("macfarm_host_ms_per_step",
+                             description="Engine-thread work per step that is not device dispatch or wait, ms (since start).")
         self.running = Gauge("macfarm_running_requests", description="Requests in the engine's running batch.")
         self.waiting = Gauge("macfarm_waiting_requests", description="Requests waiting for admission.")
         self.kv_used = Gauge("macfarm_kv_pages_used_fraction", description="Fraction of KV pool pages in use.")
         self.hit_rate = Gauge("macfarm_prefix_cache_hit_rate",
                               description="Prompt tokens found in the prefix cache / prompt tokens looked up, since start.")
-        self._seen = {"preemptions": 0, "evictions": 0}
+        self._seen = {"preemptions": 0, "evictions": 0, "decode_steps_staged": 0, "decode_steps_gathered": 0}
 
     def update(self, st: Dict[str, Any]) -> None:
         """Gauges (and counters of cumulative engine totals) from `engine.stats()`."""
@@ -53,7 +59,9 @@ class ReplicaMetrics:
         self.waiting.set(st["waiting"])
         self.kv_used.set(st["kv_pages_used"] / max(1, st["kv_pages_total"]))
         self.hit_rate.set(st["prefix_hit_tokens"] / max(1, st["prefix_query_tokens"]))
-        for key, counter in (("preemptions", self.preemptions), ("evictions", self.evictions)):
+        self.host_ms.set(st["host_ms_per_step"])
+        for key, counter in (("preemptions", self.preemptions), ("evictions", self.evictions),
+                             ("decode_steps_staged", self.staged), ("decode_steps_gathered", self.gathered)):
             delta = st[key] - self._seen[key]
             if delta > 0:
                 counter.inc(delta)

@@ -403,3 +403,17 @@ def test_kv_pool_exhaustion_preempts_and_completes(farm, model):
     assert st["preemptions"] > 0, st
     assert st["kv_pages_total"] == 16 and st["running"] == 0 and st["waiting"] == 0
     assert farm.wait_replicas(1, 1)
+
+
+def test_prompt_larger_than_the_pool_is_a_400_at_admission(farm):
+    farm.ensure_macs(1)
+    farm.deploy(num_replicas=1, engine={"max_total_tokens": 256, "max_batched_tokens": 256})
+    prompt = " ".join(["sheep"] * 400)  # > 256 tokens, < the model's 1,024 context
+    for stream in (False, True):
+        r = httpx.post(f"{farm.base}/v1/completions", json={"prompt": prompt, "max_tokens": 4, "stream": stream},
+                       timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and "KV pool" in err["message"], err
+    ok = httpx.post(f"{farm.base}/v1/completions", json={"prompt": "Still serving?", "max_tokens": 4}, timeout=60)
+    assert ok.status_code == 200, ok.text

@@ -48,7 +48,8 @@ def test_replica_metrics_are_exported(served):
         totals = scrape(url)
         if (find(totals, "macfarm_time_to_first_token_seconds", "_count") >= REQUESTS
                 and find(totals, "macfarm_output_tokens") >= REQUESTS * 8
-                and find(totals, "macfarm_kv_pages_used_fraction") >= 0):
+                and find(totals, "macfarm_kv_pages_used_fraction") >= 0
+                and find(totals, "macfarm_decode_steps_staged") > 0):
             break
         time.sleep(1)
     assert find(totals, "macfarm_time_to_first_token_seconds", "_count") >= REQUESTS, sorted(totals)
@@ -59,7 +60,8 @@ def test_replica_metrics_are_exported(served):
     assert find(totals, "macfarm_output_tokens") >= REQUESTS * 8
     assert find(totals, "macfarm_cached_prompt_tokens") > 0
     assert find(totals, "macfarm_requests") >= REQUESTS
+    assert find(totals, "macfarm_decode_steps_staged") > 0  # 8-token decodes: staged from their first step
     for gauge in ("macfarm_running_requests", "macfarm_waiting_requests", "macfarm_kv_pages_used_fraction",
-                  "macfarm_prefix_cache_hit_rate"):
+                  "macfarm_prefix_cache_hit_rate", "macfarm_host_ms_per_step"):
         assert find(totals, gauge) >= 0, (gauge, sorted(totals))
     print({k: v for k, v in sorted(totals.items()) if "bucket" not in k})

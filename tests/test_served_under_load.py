@@ -40,4 +40,7 @@ def test_default_app_under_16_client_loops(tmp_path):
     assert lat[-1] < MAX_LATENCY_S, f"slowest request took {lat[-1]:.1f} s"
     assert stats["kv_pool_bytes"] > 1 << 30  # the deployed default pool, not a reduced one
     assert stats["running"] == 0 and stats["kv_pages_used"] == 0
+    budget = sum(stats[k] for k in ("weights_bytes", "kv_pool_bytes", "decode_staging_budget_bytes",
+                                    "activation_budget_bytes"))
+    assert stats["peak_memory_bytes"] <= budget, stats
     assert statistics.median(st) < 0.1 and st[int(0.95 * len(st))] < 0.5, f"/v1/stats {[round(x, 3) for x in st]}"
