@@ -22,7 +22,7 @@ from .paging import PAGE_SIZE
 from .detokenizer import IncrementalDetokenizer
 from .grammar import GrammarCompiler
 from .request import Request, RequestOutput, Sequence
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepPlan
 from .worker import Worker
 
 
@@ -62,6 +62,7 @@ class Engine:
                              int(config.decode_staging_fraction * kv_budget(weights, config.kv_memory_fraction)))
         self.kv_bytes_per_token = kv_bytes_per_token(specs, dtype)
         self.num_steps = 0
+        self.num_failed_steps = 0
         self._grammars = None
 
         self._commands: "queue.Queue[Tuple[str, object]]" = queue.Queue()
@@ -191,6 +192,7 @@ class Engine:
             "evictions": pm.evictions,
             "preemptions": sched.num_preemptions,
             "steps": self.num_steps,
+            "failed_steps": self.num_failed_steps,
             "decode_steps_staged": worker.staging.num_staged,
             "decode_steps_gathered": worker.staging.num_gathered,
             "host_ms_per_step": 1e3 * self._host_s / steps,
@@ -223,22 +225,44 @@ class Engine:
 
     def _loop(self) -> None:
         inflight: deque = deque()
+        failures = 0  # consecutive failed steps
         while not self._stop.is_set():
             idle = not inflight and not self.scheduler.has_work()
             self._apply_commands(block=idle)
             t = time.perf_counter()
             wait = self.worker.device_s
-            if inflight and self.scheduler.needs_sync():
-                self._finish_step(inflight.popleft())
-            plan = self.scheduler.schedule()
-            if plan:
-                inflight.append(self.worker.launch(plan))
-                self.num_steps += 1
-            self._deliver(self.scheduler.drain_outputs())
-            if inflight and (len(inflight) > 1 or not plan or not self.config.overlap):
-                self._finish_step(inflight.popleft())
+            plan = None
+            try:
+                if inflight and self.scheduler.needs_sync():
+                    self._finish_step(inflight.popleft())
+                plan = self.scheduler.schedule()
+                if plan:
+                    inflight.append(self.worker.launch(plan))
+                    self.num_steps += 1
+                self._deliver(self.scheduler.drain_outputs())
+                if inflight and (len(inflight) > 1 or not plan or not self.config.overlap):
+                    self._finish_step(inflight.popleft())
+                failures = 0
+            except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+                failures += 1
+                if failures >= MAX_CONSECUTIVE_FAILURES:
+                    raise  # not one bad batch: the device or the model is broken
+                self._fail_steps([s.plan for s in inflight] + ([plan] if plan else []), e)
+                inflight.clear()
             if plan:
                 self._host_s += time.perf_counter() - t - (self.worker.device_s - wait)
+
+    def _fail_steps(self, plans: List[StepPlan], error: Exception) -> None:
+        """End every request of `plans` with an error and forget the prefix cache's free
+        pages (a failed step may have published pages whose KV it never wrote)."""
+        message = f"the engine failed to run this request's step ({type(error).__name__}: {error})"
+        seqs = {id(s): s for plan in plans for s in plan.sequences()}
+        outputs = [o for s in seqs.values() if (o := self.scheduler.fail(s, message)) is not None]
+        self.worker.reset()
+        self.pages.reset_prefix_cache()
+        self.num_failed_steps += 1
+        self._publish_stats()
+        self._deliver(outputs)
 
     def _finish_step(self, step) -> None:
         tokens = self.worker.finalize(step)
@@ -284,6 +308,7 @@ class Engine:
             loop.call_soon_threadsafe(_put_all, items)
 
 
+MAX_CONSECUTIVE_FAILURES = 3  # then the loop dies and the replica reports itself unhealthy
 HASHES_PERIOD_S = 0.25  # cached page hashes are re-listed at most this often while busy
 
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -324,7 +349,7 @@ def _merge_ready(out, sink: asyncio.Queue):
             out.logprobs = (out.logprobs or []) + (nxt.logprobs or [])
         if out.top_logprobs is not None or nxt.top_logprobs is not None:
             out.top_logprobs = (out.top_logprobs or []) + (nxt.top_logprobs or [])
-        out.finished, out.finish_reason, out.error = nxt.finished, nxt.finish_reason, nxt.error
+        out.finished, out.finish_reason, out.error, out.error_code = nxt.finished, nxt.finish_reason, nxt.error, nxt.error_code
         out.stop_reason, out.num_output_tokens = nxt.stop_reason, nxt.num_output_tokens
     return out
 

@@ -27,6 +27,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: Optional[str] = None  # "stop", "length", "abort", "error"
     error: Optional[str] = None
+    error_code: Optional[str] = None  # context_length_exceeded (the client's), engine_error (ours), ...
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0

@@ -20,6 +20,9 @@ class StepPlan:
     decode: List[Tuple[Sequence, int]] = field(default_factory=list)  # (seq, position)
     prefills: List[PrefillChunk] = field(default_factory=list)
 
+    def sequences(self) -> List[Sequence]:
+        return [s for s, _ in self.decode] + [c.seq for c in self.prefills]
+
     def sampling_rows(self) -> List[Sequence]:
         return [s for s, _ in self.decode] + [c.seq for c in self.prefills if c.samples]
 
@@ -54,10 +57,11 @@ class Scheduler:
         capacity = self.pages.num_pages * self.page_size
         if seq.num_tokens + 1 > capacity:
             seq.status = Status.FINISHED
-            return self._output(seq, [], "error", f"prompt of {seq.num_tokens} tokens exceeds the KV pool ({capacity} tokens)")
+            return self._output(seq, [], "error", f"prompt of {seq.num_tokens} tokens exceeds the KV pool ({capacity} tokens)",
+                                code="context_length_exceeded")
         if seq.rid in self.by_rid:
             seq.status = Status.FINISHED
-            return self._output(seq, [], "error", f"duplicate request id {seq.rid!r}")
+            return self._output(seq, [], "error", f"duplicate request id {seq.rid!r}", code="duplicate_request_id")
         self.by_rid[seq.rid] = seq
         self.waiting.append(seq)
         return None
@@ -68,6 +72,13 @@ class Scheduler:
             return None
         self._finish(seq, "abort")
         return self._output(seq, [], "abort")
+
+    def fail(self, seq: Sequence, message: str) -> Optional[RequestOutput]:
+        """End a request whose step failed (server side); None if it already ended."""
+        if seq.status == Status.FINISHED:
+            return None
+        self._finish(seq, "error")
+        return self._output(seq, [], "error", message, code="engine_error")
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -227,8 +238,10 @@ class Scheduler:
         return outputs
 
     @staticmethod
-    def _output(seq: Sequence, toks: List[int], reason: Optional[str], error: Optional[str] = None) -> RequestOutput:
+    def _output(seq: Sequence, toks: List[int], reason: Optional[str], error: Optional[str] = None,
+                code: Optional[str] = None) -> RequestOutput:
         return RequestOutput(
+            error_code=code,
             rid=seq.rid,
             token_ids=toks,
             finished=reason is not None,

@@ -112,6 +112,14 @@ class Worker:
             self._on_device(mx.synchronize)
             self._busy = False
 
+    def reset(self) -> None:
+        """After a failed step: drop the staged batch, wait out what was dispatched."""
+        self.staging.reset()
+        try:
+            self.fence()
+        except Exception:  # noqa: BLE001 - the failed step's own arrays
+            self._busy = False
+
     def _on_device(self, call, *args) -> None:
         # Dispatch counts as device time: MLX's CPU backend computes in the dispatching
         # thread once ~100 tasks are queued, so on a CPU an async_eval is mostly the forward.

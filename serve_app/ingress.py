@@ -150,7 +150,7 @@ class Ingress:
             stream.cancel()
             raise P.ProtocolError(first["error"], status=first.get("status", 400))
         if first.finish_reason == "error":
-            raise P.ProtocolError(first.error or "request failed", code="context_length_exceeded")
+            raise _engine_error(first)
         decode = self._decode_token if params.logprobs else None
         if body.stream:
             return StreamingResponse(self._sse(kind, first, stream, rid, decode, body.include_usage),
@@ -161,6 +161,9 @@ class Ingress:
                 outs.append(out)
         except Exception as e:  # noqa: BLE001 - the replica died mid-request
             raise _replica_failed(e)
+        failed = [o for o in outs if o.finish_reason == "error"]
+        if failed:
+            raise _engine_error(failed[0])
         build = P.chat_completion if kind == "chat" else P.completion
         return JSONResponse(build(outs, self.model_name, decode, id=rid).model_dump(mode="json"))
 
@@ -169,6 +172,9 @@ class Ingress:
         try:
             out = first
             while True:
+                if out.finish_reason == "error":  # the engine failed this request mid-stream: say so, end
+                    yield f"data: {json.dumps(_engine_error(out).body())}\n\n"
+                    return
                 outs.append(out)
                 if kind == "chat":
                     chunk = P.chat_chunk(out, rid, created, self.model_name, decode, first=out.index not in started)
@@ -194,6 +200,13 @@ class Ingress:
 
     def _decode_token(self, tok: int) -> str:
         return self.tokenizer.decode([tok])
+
+
+def _engine_error(out) -> "P.ProtocolError":
+    """The engine ended the request with an error: the client's (a prompt the KV pool can
+    never hold) is a 400, anything else a 500."""
+    status = 400 if out.error_code == "context_length_exceeded" else 500
+    return P.ProtocolError(out.error or "request failed", code=out.error_code, status=status)
 
 
 def _replica_failed(e: Exception) -> "P.ProtocolError":

@@ -206,3 +206,26 @@ def test_a_script_that_never_calls_shutdown_exits_cleanly():
         r = subprocess.run([sys.executable, "-c", script], cwd=tests.parent, capture_output=True, text=True,
                            timeout=120, env={**os.environ, "PYTHONPATH": f"{tests}:{tests.parent}"})
         assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr[-2000:]
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on():
+    """gpt_bigcode's forward takes one integer offset for the batch (np.arange over it), so
+    a decode step of two rows at different positions raises inside the model: those two
+    requests end with an engine error, their pages are freed, and the next request runs."""
+    model = make_tiny_model("gpt_bigcode")
+    eng = Engine(EngineConfig(max_total_tokens=2048), model=model)
+
+    async def main():
+        both = await asyncio.gather(collect(eng, req("a", rand_prompt(20, 1), 8)),
+                                    collect(eng, req("b", rand_prompt(37, 2), 8)))
+        alone = await collect(eng, req("c", rand_prompt(25, 3), 8))
+        return both, alone
+
+    both, (toks, last) = asyncio.run(main())
+    for _, out in both:
+        assert out.finish_reason == "error" and out.error_code == "engine_error" and "failed" in out.error
+    assert toks == reference_greedy(model, rand_prompt(25, 3), 8) and last.finish_reason == "length"
+    st = eng.stats()
+    assert st["failed_steps"] >= 1 and st["kv_pages_used"] == 0 and st["running"] == 0
+    assert eng.error is None
+    eng.shutdown()

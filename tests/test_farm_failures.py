@@ -417,3 +417,31 @@ def test_prompt_larger_than_the_pool_is_a_400_at_admission(farm):
         assert err["code"] == "context_length_exceeded" and "KV pool" in err["message"], err
     ok = httpx.post(f"{farm.base}/v1/completions", json={"prompt": "Still serving?", "max_tokens": 4}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_a_failing_step_is_a_500_or_an_sse_error_and_the_replica_serves_on(farm, tmp_path_factory):
+    """A tiny gpt_bigcode raises inside its forward on a decode step of rows at different
+    positions (it takes one integer offset for the batch): both requests of that step end
+    with an error in OpenAI's shape, and the same replica answers the next request."""
+    farm.ensure_macs(1)
+    path = str(tiny_model_dir(tmp_path_factory, "gpt_bigcode"))
+    farm.deploy(model=path, num_replicas=1)
+    before = [a.actor_id for a in farm.replicas()]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as ac:
+            streamed = stream(ac, farm.base, {"prompt": "a b c d e f g h i j k l m n o p q r s", "max_tokens": 400,
+                                              "ignore_eos": True, "temperature": 0})
+            plain = ac.post(f"{farm.base}/v1/completions", json={"prompt": "one two", "max_tokens": 400,
+                                                                 "ignore_eos": True, "temperature": 0})
+            return await asyncio.gather(streamed, plain)
+
+    streamed, plain = asyncio.run(main())
+    assert plain.status_code == 500 and plain.json()["error"]["code"] == "engine_error", plain.text
+    assert plain.json()["error"]["type"] == "server_error"
+    assert streamed["status"] == 200 and not streamed["done"] and "engine_error" in str(streamed["error"]), streamed
+    ok = httpx.post(f"{farm.base}/v1/completions", json={"prompt": "still there", "max_tokens": 4}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    assert [a.actor_id for a in farm.replicas()] == before  # not restarted
+    st = httpx.get(f"{farm.base}/v1/stats", timeout=30).json()["replica"]
+    assert st["failed_steps"] >= 1 and st["kv_pages_used"] == 0

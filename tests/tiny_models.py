@@ -29,6 +29,11 @@ CONFIGS = {
         num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=VOCAB,
         query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=2,
     ),
+    # Its forward needs one integer offset for the whole batch: a ragged decode step raises.
+    "gpt_bigcode": dict(
+        model_type="gpt_bigcode", n_embd=64, n_layer=2, n_inner=128, n_head=4, n_positions=1024,
+        layer_norm_epsilon=1e-5, vocab_size=VOCAB,
+    ),
 }
 
 
