@@ -44,6 +44,8 @@ class GrammarSpec(BaseModel):
         json_object: any JSON object.
         regex: a regex (Rust ``regex`` syntax) the whole output must match.
         choice: the output is one of these strings.
+        prefix, suffix: with json_schema, literal text around the JSON (e.g. a tool call's
+            markers: ``<tool_call>{...}</tool_call>``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -52,9 +54,13 @@ class GrammarSpec(BaseModel):
     json_object: bool = False
     regex: Optional[str] = None
     choice: Optional[List[str]] = None
+    prefix: str = ""
+    suffix: str = ""
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "GrammarSpec":
+        if (self.prefix or self.suffix) and self.kind() != "json_schema":
+            raise ValueError("GrammarSpec.prefix and suffix go with json_schema only")
         self.kind()
         return self
 
@@ -127,6 +133,10 @@ class GrammarCompiler:
 
     def _grammar_text(self, spec: GrammarSpec) -> str:
         kind = spec.kind()
+        if spec.prefix or spec.suffix:  # ours are defaults: a schema's own "x-guidance" options win
+            schema = json.dumps({"x-guidance": self.json_options, **spec.json_schema}, ensure_ascii=False)
+            rule = " ".join([json.dumps(spec.prefix)] * bool(spec.prefix) + ["body"] + [json.dumps(spec.suffix)] * bool(spec.suffix))
+            return llg.LLMatcher.grammar_from_lark(f"start: {rule}\nbody: %json {schema}")
         if kind == "json_schema" or kind == "json_object":
             schema = spec.json_schema if kind == "json_schema" else {"type": "object"}
             # ours are defaults: a schema's own "x-guidance" options win

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mlx_worker.paging import PAGE_SIZE, page_hashes
 
 from . import protocol as P
+from . import tools as T
 
 api = FastAPI(title="macfarm", description="OpenAI-compatible LLM serving on a Mac farm")
 
@@ -68,6 +69,7 @@ class Ingress:
         self.max_body_bytes = max(1 << 20, BODY_BYTES_PER_TOKEN * self.max_model_len)
         self.replica = replica.options(stream=True, method_name="generate")
         self.stats_handle = replica.options(method_name="stats")
+        self.call_format = T.call_format(self.tokenizer)
         self.created = int(time.time())
 
     # --- endpoints -------------------------------------------------------------------
@@ -91,11 +93,23 @@ class Ingress:
         self._auth(request)
         body = P.parse_request(P.ChatCompletionRequest, await self._body(request))
         self._check_model(body.model)
+        choice = body.effective_tool_choice
+        tools = body.tools if choice != "none" else None
+        messages, kw, grammar = body.chat_messages(), {}, None
+        if tools:
+            if self.call_format.native:
+                kw["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+            else:
+                messages = T.with_tools(messages, tools)
+            try:
+                grammar = T.call_grammar(tools, choice, self.call_format)
+            except ValueError as e:
+                raise P.ProtocolError(str(e), "tool_choice")
         try:
-            prompt_ids = self.tokenizer.apply_chat_template(body.chat_messages(), add_generation_prompt=True)
+            prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kw)
         except Exception as e:  # noqa: BLE001 - templates raise anything
             raise P.ProtocolError(f"chat template failed: {e}", "messages")
-        return await self._serve(body, list(prompt_ids), "chat")
+        return await self._serve(body, list(prompt_ids), "chat", tools, grammar)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -128,12 +142,12 @@ class Ingress:
             raise P.ProtocolError(f"model {model!r} does not exist; this server serves {self.model_name!r}",
                                   "model", "model_not_found", status=404)
 
-    async def _serve(self, body, prompt_ids: List[int], kind: str):
+    async def _serve(self, body, prompt_ids: List[int], kind: str, tools=None, tool_grammar=None):
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise P.ProtocolError(f"prompt is {n} tokens; the model's context is {self.max_model_len}",
                                   "messages" if kind == "chat" else "prompt", "context_length_exceeded")
-        params = P.to_sampling_params(body, self.args.default_max_tokens, self.max_model_len, n)
+        params = P.to_sampling_params(body, self.args.default_max_tokens, self.max_model_len, n, tool_grammar)
         rid = P.random_id("chatcmpl" if kind == "chat" else "cmpl")
         payload = {"rid": rid, "prompt_ids": prompt_ids, "params": params.model_dump(),
                    "page_hashes": page_hashes(prompt_ids, self.page_size)}
@@ -153,7 +167,7 @@ class Ingress:
             raise _engine_error(first)
         decode = self._decode_token if params.logprobs else None
         if body.stream:
-            return StreamingResponse(self._sse(kind, first, stream, rid, decode, body.include_usage),
+            return StreamingResponse(self._sse(kind, first, stream, rid, decode, body.include_usage, tools),
                                      media_type="text/event-stream")
         outs = [first]
         try:
@@ -164,11 +178,24 @@ class Ingress:
         failed = [o for o in outs if o.finish_reason == "error"]
         if failed:
             raise _engine_error(failed[0])
-        build = P.chat_completion if kind == "chat" else P.completion
-        return JSONResponse(build(outs, self.model_name, decode, id=rid).model_dump(mode="json"))
+        if kind == "chat":
+            parse = self._whole_sample_parser(tools) if tools else None
+            response = P.chat_completion(outs, self.model_name, decode, id=rid, parse_calls=parse)
+        else:
+            response = P.completion(outs, self.model_name, decode, id=rid)
+        return JSONResponse(response.model_dump(mode="json"))
 
-    async def _sse(self, kind, first, stream, rid, decode, include_usage) -> AsyncIterator[str]:
+    def _whole_sample_parser(self, tools):
+        def parse(out):
+            parser = T.ToolCallParser(self.call_format, tools)
+            content, calls = parser.feed(out.text)
+            tail, more = parser.finish(out.finish_reason)
+            return content + tail, calls + more
+        return parse
+
+    async def _sse(self, kind, first, stream, rid, decode, include_usage, tools=None) -> AsyncIterator[str]:
         created, outs, started, offsets = int(time.time()), [], set(), {}
+        parsers: Dict[int, T.ToolCallParser] = {}
         try:
             out = first
             while True:
@@ -176,7 +203,10 @@ class Ingress:
                     yield f"data: {json.dumps(_engine_error(out).body())}\n\n"
                     return
                 outs.append(out)
-                if kind == "chat":
+                if kind == "chat" and tools:
+                    chunk = self._tool_chunk(parsers, tools, out, rid, created, decode, first=out.index not in started)
+                    started.add(out.index)
+                elif kind == "chat":
                     chunk = P.chat_chunk(out, rid, created, self.model_name, decode, first=out.index not in started)
                     started.add(out.index)
                 else:
@@ -197,6 +227,18 @@ class Ingress:
             yield "data: [DONE]\n\n"
         finally:
             stream.cancel()  # no-op when finished; aborts the engine request on disconnect
+
+    def _tool_chunk(self, parsers, tools, out, rid, created, decode, first):
+        """A chat chunk of a request with tools: content and completed calls of `out`."""
+        parser = parsers.setdefault(out.index, T.ToolCallParser(self.call_format, tools))
+        before = parser.num_calls
+        text, calls = parser.feed(out.text)
+        if out.finished:
+            tail, more = parser.finish(out.finish_reason)
+            text, calls = text + tail, calls + more
+        deltas = [P.ToolCallDelta(index=before + i, **c.model_dump()) for i, c in enumerate(calls)]
+        return P.chat_chunk(out, rid, created, self.model_name, decode, first=first, text=text, tool_calls=deltas,
+                            called=parser.num_calls > 0)
 
     def _decode_token(self, tok: int) -> str:
         return self.tokenizer.decode([tok])

@@ -13,6 +13,8 @@ from mlx_worker.grammar import GrammarSpec
 from mlx_worker.request import RequestOutput
 from mlx_worker.sampling import MAX_N, SamplingParams
 
+from .tools import Tool, ToolCall, ToolChoice
+
 # --- errors ---------------------------------------------------------------------------
 
 
@@ -175,6 +177,8 @@ class Message(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Optional[str] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -195,7 +199,25 @@ class Message(BaseModel):
     def _has_content(self):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
         return self
+
+    def template_dict(self) -> Dict[str, Any]:
+        """The message as chat templates take it (developer -> system; a call's
+        arguments as an object, as HF templates render them)."""
+        m: Dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
+        if self.tool_calls:
+            m["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                               for c in self.tool_calls]
+        if self.tool_call_id:
+            m["tool_call_id"] = self.tool_call_id
+        if self.name:
+            m["name"] = self.name
+        return m
 
 
 class ChatCompletionRequest(_Request):
@@ -205,19 +227,37 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Optional[int] = None  # newer name of max_tokens; wins over it
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
-    tools: Optional[List[Any]] = None
+    tools: Optional[List[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: Optional[bool] = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tool calling is not supported")
-        return v
+    @model_validator(mode="after")
+    def _tools_consistent(self):
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if self.tools:
+            names = [t.function.name for t in self.tools]
+            if len(set(names)) != len(names):
+                raise ValueError("tools must have distinct function names")
+            if isinstance(choice, BaseModel) and choice.function.name not in names:
+                raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        calls = {c.id for m in self.messages for c in m.tool_calls or []}
+        for m in self.messages:
+            if m.role == "tool" and m.tool_call_id not in calls:
+                raise ValueError(f"tool message answers tool_call_id {m.tool_call_id!r}, which no assistant "
+                                 "message called")
+        if (self.tools and self.effective_tool_choice != "none") and self.n and self.n > 1:
+            raise ValueError("n > 1 with tools is not supported")
+        return self
 
-    def chat_messages(self) -> List[Dict[str, str]]:
-        """Messages for `tokenizer.apply_chat_template` (developer -> system)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
-                for m in self.messages]
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def chat_messages(self) -> List[Dict[str, Any]]:
+        """Messages for `tokenizer.apply_chat_template`."""
+        return [m.template_dict() for m in self.messages]
 
 
 class CompletionRequest(_Request):
@@ -292,7 +332,7 @@ def grammar_spec(req: AnyRequest) -> Optional[GrammarSpec]:
 
 
 def to_sampling_params(req: AnyRequest, default_max_tokens: int, max_model_len: Optional[int] = None,
-                       num_prompt_tokens: int = 0) -> SamplingParams:
+                       num_prompt_tokens: int = 0, tool_grammar: Optional[GrammarSpec] = None) -> SamplingParams:
     """The engine's SamplingParams for a chat or text completion request.
 
     max_tokens: max_completion_tokens, else max_tokens, else `default_max_tokens`; with
@@ -330,6 +370,11 @@ def to_sampling_params(req: AnyRequest, default_max_tokens: int, max_model_len: 
         kw.update(logprobs=True, top_logprobs=req.logprobs)
         rename["top_logprobs"] = "logprobs"
     kw["structured"] = grammar_spec(req)
+    if tool_grammar is not None:
+        if kw["structured"] is not None:
+            raise ProtocolError("tool_choice 'required' or a named function constrains the whole output: "
+                                "it cannot be combined with response_format or guided_*", param="tool_choice")
+        kw["structured"] = tool_grammar
     try:
         return SamplingParams(**kw)
     except ValidationError as e:
@@ -337,6 +382,13 @@ def to_sampling_params(req: AnyRequest, default_max_tokens: int, max_model_len: 
 
 
 # --- responses -------------------------------------------------------------------------------
+
+
+def _json_or_text(s: str):
+    try:
+        return json.loads(s)
+    except (TypeError, ValueError):
+        return s
 
 
 def random_id(prefix: str) -> str:
@@ -348,7 +400,7 @@ def _now() -> int:
     return int(time.time())
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class TopLogprob(BaseModel):
@@ -379,6 +431,18 @@ class Usage(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler):
+        d = handler(self)
+        if d.get("tool_calls") is None:
+            d.pop("tool_calls", None)
+        return d
+
+
+class ToolCallDelta(ToolCall):
+    index: int
 
 
 class ChatChoice(BaseModel):
@@ -400,6 +464,7 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[List[ToolCallDelta]] = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):  # OpenAI sends {"content": "x"}, and {} at the end
@@ -548,23 +613,39 @@ def _logprobs(fn, o: RequestOutput, decode: Optional[Decode], *args):
     return fn(o.token_ids, o.logprobs, o.top_logprobs, decode, *args) if o.logprobs is not None and decode else None
 
 
+ParseCalls = Callable[[RequestOutput], Tuple[str, List[ToolCall]]]  # a whole sample -> content, calls
+
+
 def chat_completion(outputs: Iterable[RequestOutput], model: str, decode: Optional[Decode] = None,
-                    id: Optional[str] = None, created: Optional[int] = None) -> ChatCompletion:
-    """The non-streamed response from all of a request's outputs (logprobs need `decode`)."""
+                    id: Optional[str] = None, created: Optional[int] = None,
+                    parse_calls: Optional[ParseCalls] = None) -> ChatCompletion:
+    """The non-streamed response from all of a request's outputs (logprobs need `decode`;
+    `parse_calls` splits a sample's text into content and tool calls)."""
     outs = merge_outputs(outputs)
-    choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
-                          finish_reason=finish_reason(o.finish_reason) or "stop",
-                          logprobs=_logprobs(chat_logprobs, o, decode)) for o in outs]
+    choices = []
+    for o in outs:
+        content, calls = parse_calls(o) if parse_calls else (o.text, [])
+        reason = finish_reason(o.finish_reason) or "stop"
+        choices.append(ChatChoice(index=o.index, message=AssistantMessage(content=content or (None if calls else ""),
+                                                                          tool_calls=calls or None),
+                                  finish_reason="tool_calls" if calls and reason == "stop" else reason,
+                                  logprobs=_logprobs(chat_logprobs, o, decode)))
     return ChatCompletion(id=id or random_id("chatcmpl"), created=created or _now(), model=model, choices=choices,
                           usage=usage(outs))
 
 
 def chat_chunk(out: RequestOutput, id: str, created: int, model: str, decode: Optional[Decode] = None,
-               first: bool = False) -> ChatCompletionChunk:
-    """One streamed piece of sample `out.index`; `first` adds role "assistant" to the delta."""
-    delta = Delta(role="assistant" if first else None, content=out.text if out.text or first else None)
+               first: bool = False, text: Optional[str] = None, tool_calls: Optional[List[ToolCallDelta]] = None,
+               called: bool = False) -> ChatCompletionChunk:
+    """One streamed piece of sample `out.index`; `first` adds role "assistant" to the delta.
+    With tools, `text` is the piece's content and `tool_calls` its completed calls;
+    `called`: the sample has made a call (its finish reason is then "tool_calls")."""
+    text = out.text if text is None else text
+    delta = Delta(role="assistant" if first else None, content=text if text or first else None,
+                  tool_calls=tool_calls or None)
+    reason = finish_reason(out.finish_reason) if out.finished else None
     choice = ChatChunkChoice(index=out.index, delta=delta, logprobs=_logprobs(chat_logprobs, out, decode),
-                             finish_reason=finish_reason(out.finish_reason) if out.finished else None)
+                             finish_reason="tool_calls" if called and reason == "stop" else reason)
     return ChatCompletionChunk(id=id, created=created, model=model, choices=[choice])
 
 

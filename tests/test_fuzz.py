@@ -80,7 +80,11 @@ CASES = [
     ("top-logprobs-huge", "POST", CHAT, chat(logprobs=True, top_logprobs=10**6), {400}),
     ("response-format-unknown", "POST", CHAT, chat(response_format={"type": "xml"}), {400}),
     ("guided-regex-invalid", "POST", CHAT, chat(guided_regex="(unclosed"), {400}),
-    ("tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), {400}),
+    ("tool-choice-unknown", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                                tool_choice={"type": "function", "function": {"name": "g"}}), {400}),
+    ("tool-schema-invalid", "POST", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}],
+        tool_choice="required"), {400}),
     ("prompt-out-of-vocab", "POST", COMPL, {"prompt": [1, 2, 10**9], "max_tokens": 2}, {400}),
     ("prompt-bigint-id", "POST", COMPL, {"prompt": [10**30], "max_tokens": 2}, {400}),
     ("prompt-negative-ids", "POST", COMPL, {"prompt": [5, -1, 7], "max_tokens": 2}, {400}),

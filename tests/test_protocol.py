@@ -98,7 +98,14 @@ def test_bad_sampling_values(body, param, words):
         ({"n": "two"}, "n", "valid integer"),
         ({"stream": "maybe"}, "stream", "valid boolean"),
         ({"stop": [1, 2]}, "stop[0]", "valid string"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, None, "'g', which is not among the tools"),
+        ({"tool_choice": "required"}, None, "tool_choice needs tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "'function'"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name", "pattern"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "42", "tool_call_id": "nope"}]},
+         None, "'nope', which no assistant message called"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0]", "needs the tool_call_id"),
         ({"guided_json": "{bad"}, "guided_json", "not valid JSON"),
     ],
 )
@@ -207,10 +214,14 @@ def test_structured_outputs():
 def test_chat_messages():
     req = chat(messages=[{"role": "developer", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                         {"role": "assistant", "content": None},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "x", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
                          {"role": "tool", "content": "42", "tool_call_id": "x"}])
-    assert req.chat_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
-                                   {"role": "assistant", "content": ""}, {"role": "tool", "content": "42"}]
+    assert req.chat_messages() == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "x", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "x"}]
 
 
 def test_include_usage():

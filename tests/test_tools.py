@@ -1,0 +1,118 @@
+"""Tool calling on /v1/chat/completions through the served app and the real openai client.
+
+The tiny model shares the embedded SmolLM2's tokenizer and template, which know no
+tool-call format: the tools go into the system prompt and calls use the fallback format
+(`<tool_call>{"name": ..., "arguments": ...}</tool_call>`). A random-weight model makes
+calls only when constrained, so `required` and named choices carry the call tests."""
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from serve_fixtures import ENGINE, run_app, serving, tiny_model_dir
+
+from serve_app.tools import FunctionDef, Tool, ToolCallParser, call_format
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                                    "celsius": {"type": "boolean"}},
+                   "required": ["city", "celsius"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = str(tiny_model_dir(tmp_path_factory))
+    with serving() as url:
+        run_app(url, "tools", "/", model=path, model_name="tiny", engine=ENGINE, router="pow2")
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def check_call(call, name=None):
+    assert call.type == "function" and call.id.startswith("call_")
+    assert name is None or call.function.name == name
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_tool_choice_gives_a_valid_call(client):
+    r = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_tokens=64)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None and len(choice.message.tool_calls) == 1
+    check_call(choice.message.tool_calls[0])
+
+
+def test_named_tool_choice_streamed_equals_non_streamed(client):
+    kw = dict(model="tiny", messages=MSGS, tools=TOOLS, temperature=0, max_tokens=64,
+              tool_choice={"type": "function", "function": {"name": "get_time"}})
+    whole = client.chat.completions.create(**kw).choices[0]
+    check_call(whole.message.tool_calls[0], "get_time")
+    calls, content, reasons = {}, "", []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                c = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                c["id"] = c["id"] or tc.id
+                c["name"] += tc.function.name or ""
+                c["arguments"] += tc.function.arguments or ""
+            reasons.append(ch.finish_reason)
+    assert content == "" and "<tool_call>" not in content
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [(whole.message.tool_calls[0].function.name, whole.message.tool_calls[0].function.arguments)]
+    assert reasons[-1] == "tool_calls"
+
+
+def test_a_tool_using_conversation_renders_and_answers(client):
+    first = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice="required",
+                                           temperature=0, max_tokens=64).choices[0].message
+    call = first.tool_calls[0]
+    history = MSGS + [first.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp": 21})}]
+    r = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, temperature=0, max_tokens=8)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    none = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none",
+                                          temperature=0, max_tokens=8).choices[0]
+    assert none.message.tool_calls is None and none.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"messages": MSGS + [{"role": "tool", "tool_call_id": "call_x", "content": "1"}], "tools": TOOLS},
+     "no assistant message called"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}], "tool_choice": "required"}, ""),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
+])
+def test_bad_tool_requests_are_400(base, body, words):
+    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and words in err["message"], err
+
+
+def test_markup_never_leaks_into_content_whatever_the_chunking():
+    fmt = call_format(object())  # no native format: the fallback
+    text = 'Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call> Then <tool_ca'
+    for size in (1, 2, 5, 13, len(text)):
+        p = ToolCallParser(fmt, [Tool(type="function", function=FunctionDef(name="get_time"))])
+        pieces = [p.feed(text[i:i + size]) for i in range(0, len(text), size)] + [p.finish("stop")]
+        content = "".join(c for c, _ in pieces)
+        calls = [c for _, cs in pieces for c in cs]
+        assert content == "Sure.  Then ", (size, content)
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
