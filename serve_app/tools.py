@@ -121,7 +121,8 @@ def call_grammar(tools: List[Tool], choice: ToolChoice, fmt: CallFormat) -> Opti
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters},
               "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return GrammarSpec(json_schema=schema, prefix=fmt.start, suffix=fmt.end or "")
+    newline = "\n" if fmt.native else ""  # Hermes/Qwen templates put the JSON on its own line
+    return GrammarSpec(json_schema=schema, prefix=fmt.start + newline, suffix=newline + (fmt.end or ""))
 
 
 # --- output -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from mlx_lm.utils import load_tokenizer
 from serve_fixtures import ENGINE, run_app, serving, tiny_model_dir
 
 from serve_app.tools import FunctionDef, Tool, ToolCallParser, call_format
@@ -116,3 +117,59 @@ def test_markup_never_leaks_into_content_whatever_the_chunking():
         calls = [c for _, cs in pieces for c in cs]
         assert content == "Sure.  Then ", (size, content)
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
+
+
+# A Hermes/Qwen-style template: mlx-lm's TokenizerWrapper then knows the format (json_tools).
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+For each function call, return a json object within <tool_call></tool_call> tags.<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}{%- for message in messages %}{%- if message.role == 'user' %}<|im_start|>user
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{{ message.content }}{% for tool_call in message.tool_calls or [] %}{% set tool_call = tool_call.function %}<tool_call>
+{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def native(base, tmp_path_factory):
+    """An app on a tiny model whose template renders tools (Hermes style)."""
+    path = tiny_model_dir(tmp_path_factory)
+    cfg_file = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["chat_template"] = HERMES_TEMPLATE
+    cfg_file.write_text(json.dumps(cfg))
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    run_app(base, "native", "/native", model=str(path), model_name="tiny", engine=ENGINE, router="pow2")
+    tok = load_tokenizer(path)
+    assert tok.has_tool_calling and tok.tool_call_start == "<tool_call>"
+    return openai.OpenAI(base_url=f"{base}/native/v1", api_key="unused", max_retries=0), tok
+
+
+def test_a_template_with_tools_renders_them_and_its_format_is_used(native):
+    client, tok = native
+    r = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_tokens=64)
+    assert r.usage.prompt_tokens == len(tok.apply_chat_template(MSGS, tools=TOOLS, add_generation_prompt=True))
+    assert r.choices[0].finish_reason == "tool_calls"
+    check_call(r.choices[0].message.tool_calls[0])
+    history = MSGS + [r.choices[0].message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": r.choices[0].message.tool_calls[0].id, "content": "21"}]
+    again = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, temperature=0, max_tokens=4)
+    assert again.usage.prompt_tokens == len(tok.apply_chat_template(
+        [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                              for c in m.get("tool_calls", [])]} if m.get("tool_calls") else m for m in history],
+        tools=TOOLS, add_generation_prompt=True))
