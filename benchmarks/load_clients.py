@@ -49,9 +49,9 @@ async def one_request(client: AsyncOpenAI, model: str, rng: random.Random, res: 
         res.errors.append(f"{type(e).__name__}: {e}")
 
 
-async def client_loop(base: str, seed: int, until: float, res: LoadResult) -> None:
+async def client_loop(base: str, seed: int, until: float, res: LoadResult, timeout: float) -> None:
     rng = random.Random(seed)
-    client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
+    client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", timeout=timeout, max_retries=0)
     try:
         model = (await client.models.list()).data[0].id
         while time.monotonic() < until:
@@ -71,14 +71,15 @@ async def poll_stats(base: str, until: float, res: LoadResult, period: float = 0
             await asyncio.sleep(period)
 
 
-def run_load(base: str, loops: int, seconds: float) -> LoadResult:
-    """`loops` client loops issue requests for `seconds`; each finishes its last request."""
+def run_load(base: str, loops: int, seconds: float, timeout: float = 120) -> LoadResult:
+    """`loops` client loops issue requests for `seconds`; each finishes its last request
+    (a request taking over `timeout` seconds fails)."""
     res = LoadResult()
 
     async def main():
         until = time.monotonic() + seconds
         poller = asyncio.create_task(poll_stats(base, until, res))
-        await asyncio.gather(*[client_loop(base, i, until, res) for i in range(loops)])
+        await asyncio.gather(*[client_loop(base, i, until, res, timeout) for i in range(loops)])
         poller.cancel()
         await asyncio.gather(poller, return_exceptions=True)
 

@@ -35,6 +35,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loops", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=300)
+    ap.add_argument("--timeout", type=float, default=600, help="a request slower than this counts as failed")
     a = ap.parse_args()
     cfg = yaml.safe_load((ROOT / "deploy" / "app.yaml").read_text())
     port = free_port()
@@ -44,12 +45,13 @@ def main():
         path.write_text(yaml.safe_dump(cfg))
         with serve_run(path, port, ROOT) as base:
             httpx.get(f"{base}/v1/stats", timeout=60)
-            res = run_load(base, a.loops, a.seconds)
+            res = run_load(base, a.loops, a.seconds, a.timeout)
             st = httpx.get(f"{base}/v1/stats", timeout=60).json()["replica"]
     lat, sl = res.latencies, res.stats_latencies
     print(f"\n## deploy/app.yaml, {a.loops} client loops for {a.seconds:.0f} s")
     print(f"requests completed {len(lat)}, failed {len(res.errors)}; output tokens {res.output_tokens}")
-    print(f"latency s: p50 {statistics.median(lat):.1f}  p95 {pct(lat, 0.95):.1f}  max {max(lat):.1f}")
+    print(f"latency s: p50 {statistics.median(lat):.1f}  p95 {pct(lat, 0.95):.1f}  max {max(lat):.1f}  "
+          f"(over 60 s: {sum(x > 60 for x in lat)})")
     print(f"/v1/stats ms: p50 {1e3 * statistics.median(sl):.0f}  p95 {1e3 * pct(sl, 0.95):.0f}  max {1e3 * max(sl):.0f}")
     print("engine: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in st.items()))
     for e in res.errors[:5]:
