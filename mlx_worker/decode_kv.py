@@ -98,7 +98,7 @@ class DecodeStaging:
     def __init__(self, pool: KVPool, max_bytes: int):
         self.pool = pool
         self.max_bytes = max_bytes
-        self.bytes_per_position = kv_bytes_per_token(pool.specs, pool.keys[0].dtype)
+        self.bytes_per_position = kv_bytes_per_token(pool.specs, pool.dtype)
         self.current: Optional[DecodeKV] = None
         self._slot: Dict[tuple, int] = {}  # row key -> slot
         self._pos: Dict[tuple, int] = {}  # row key -> position it wrote last

@@ -8,21 +8,24 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import AsyncIterator, Dict, List, Optional, Tuple
+from typing import AsyncIterator, Dict, List, Literal, Optional, Tuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from pydantic import BaseModel, Field
 
 from .activations import activation_budget
-from .kv_pool import KVPool, kv_bytes_per_token, kv_budget, pool_pages, probe_layers
+from .batch_probe import probe_batching
+from .kv_pool import KVPool, kv_bytes_per_token, kv_budget, pool_pages
 from .loader import load_model
+from .model_caches import probe_caches
 from .page_manager import PageManager
 from .paging import PAGE_SIZE
 from .detokenizer import IncrementalDetokenizer
 from .grammar import GrammarCompiler
 from .request import Request, RequestOutput, Sequence
 from .scheduler import Scheduler, StepPlan
+from .state_snapshots import StateSnapshots
 from .worker import Worker
 
 
@@ -35,6 +38,8 @@ class EngineConfig(BaseModel):
     max_running_requests: int = Field(64, ge=1)
     max_batched_tokens: int = Field(2048, ge=1)  # tokens per step: decode rows + prefill chunks
     decode_staging_fraction: float = Field(0.25, ge=0)  # dense decode-batch KV, x the KV memory budget (decode_kv.py)
+    state_snapshot_fraction: float = Field(0.1, ge=0)  # recurrent-state snapshots (prefix cache of hybrid models), x the same
+    batching: Literal["auto", "ragged", "ragged_head_groups", "uniform_offsets"] = "auto"  # auto: probed at load (batch_probe.py)
     overlap: bool = True  # False: finish each step before scheduling the next (debugging)
 
 
@@ -49,18 +54,26 @@ class Engine:
         if model is None:
             model, tokenizer = load_model(config.model, config.dtype)
         self.model, self.tokenizer = model, tokenizer
-        specs, dtype, self.vocab_size = probe_layers(model)
+        tree = probe_caches(model)
+        self.vocab_size = tree.vocab
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-        num_pages = pool_pages(
-            specs, dtype, config.page_size, weights, config.kv_memory_fraction, config.max_total_tokens
-        )
-        self.pool = KVPool(specs, dtype, num_pages, config.page_size)
+        budget = kv_budget(weights, config.kv_memory_fraction)
+        # Recurrent state: the running sequences' (twice: overlapped steps) and snapshots.
+        snapshot_bytes = int(config.state_snapshot_fraction * budget) if tree.states else 0
+        self.state_budget_bytes = 2 * config.max_running_requests * tree.state_bytes + snapshot_bytes
+        num_pages = pool_pages(tree.kv, tree.kv_dtype, config.page_size, weights, config.kv_memory_fraction,
+                               config.max_total_tokens, reserved_bytes=self.state_budget_bytes)
+        self.pool = KVPool(tree.kv, tree.kv_dtype, num_pages, config.page_size)
         self.pages = PageManager(num_pages, config.page_size)
+        self.snapshots = StateSnapshots(tree.state_bytes, snapshot_bytes) if tree.states else None
+        self.batching = probe_batching(model, tree) if config.batching == "auto" else config.batching
         eos = set(getattr(tokenizer, "eos_token_ids", None) or []) if tokenizer is not None else set()
-        self.scheduler = Scheduler(self.pages, eos, config.max_running_requests, config.max_batched_tokens)
-        self.worker = Worker(model, self.pool, self.vocab_size, sorted(eos),
-                             int(config.decode_staging_fraction * kv_budget(weights, config.kv_memory_fraction)))
-        self.kv_bytes_per_token = kv_bytes_per_token(specs, dtype)
+        self.scheduler = Scheduler(self.pages, eos, config.max_running_requests, config.max_batched_tokens,
+                                   self.snapshots)
+        self.worker = Worker(model, self.pool, tree, self.vocab_size, sorted(eos),
+                             int(config.decode_staging_fraction * budget), self.snapshots, self.batching)
+        self.kv_bytes_per_token = kv_bytes_per_token(tree.kv, tree.kv_dtype)
+        self.state_bytes_per_request = tree.state_bytes
         self.num_steps = 0
         self.num_failed_steps = 0
         self._grammars = None
@@ -169,6 +182,7 @@ class Engine:
         """What peak memory should stay within: weights + pool + staging + activations."""
         c = self.config
         return {"weights_bytes": weights, "kv_pool_bytes": self.pool.nbytes,
+                "recurrent_state_budget_bytes": self.state_budget_bytes,
                 "decode_staging_budget_bytes": self.worker.staging.max_bytes,
                 "activation_budget_bytes": activation_budget(self.model, c.max_batched_tokens,
                                                              c.max_running_requests, self.vocab_size)}
@@ -177,8 +191,12 @@ class Engine:
         pm, sched, worker = self.pages, self.scheduler, self.worker
         now = time.monotonic()
         hashes = self._stats.get("cached_page_hashes", [])
-        if self._hashes_version != pm.version and (now - self._hashes_at >= HASHES_PERIOD_S or not sched.has_work()):
-            hashes, self._hashes_version, self._hashes_at = pm.cached_hashes(), pm.version, now
+        snaps = self.snapshots
+        version = (pm.version, snaps.version if snaps else 0)
+        if self._hashes_version != version and (now - self._hashes_at >= HASHES_PERIOD_S or not sched.has_work()):
+            # A model with recurrent layers resumes only at a snapshot: report those pages.
+            hashes = snaps.hashes(pm.page_of) if snaps else pm.cached_hashes()
+            self._hashes_version, self._hashes_at = version, now
         steps = max(1, self.num_steps)
         self._stats = {
             "running": len(sched.running),
@@ -198,6 +216,10 @@ class Engine:
             "host_ms_per_step": 1e3 * self._host_s / steps,
             "device_ms_per_step": 1e3 * worker.device_s / steps,
             "cached_page_hashes": hashes,
+            "batching": self.batching,
+            "recurrent_state_bytes_per_request": self.state_bytes_per_request,
+            "state_snapshots": len(snaps) if snaps else 0,
+            "state_snapshot_bytes": snaps.nbytes if snaps else 0,
             "peak_memory_bytes": mx.get_peak_memory(),
             **self._memory,
         }

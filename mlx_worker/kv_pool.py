@@ -1,36 +1,14 @@
 """The paged KV pool: one preallocated K and V array per attention layer."""
 
 import os
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import mlx.core as mx
-from mlx_lm.models import cache as mlx_cache
+
+from .model_caches import LayerSpec
 
 
-@dataclass(frozen=True)
-class LayerSpec:
-    n_kv_heads: int
-    k_dim: int
-    v_dim: int
-    window: Optional[int] = None  # sliding-window size, None for full attention
-
-
-def probe_layers(model) -> Tuple[List[LayerSpec], mx.Dtype, int]:
-    """Each layer's KV shape, the KV dtype and the vocabulary (logits) size, from one
-    token through mlx-lm's own caches."""
-    caches = mlx_cache.make_prompt_cache(model)
-    vocab = model(mx.array([[0]]), cache=caches).shape[-1]
-    specs = []
-    for c in caches:
-        if not isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache)):
-            raise NotImplementedError(
-                f"{type(c).__name__} layers are not supported: macfarm pages KV attention only"
-            )
-        k, v = c.keys, c.values
-        window = c.max_size if isinstance(c, mlx_cache.RotatingKVCache) else None
-        specs.append(LayerSpec(k.shape[1], k.shape[3], v.shape[3], window))
-    return specs, caches[0].keys.dtype, vocab
+STATELESS_PAGES = 65536  # pages of a model without attention layers (no KV to hold)
 
 
 def kv_bytes_per_token(specs: List[LayerSpec], dtype: mx.Dtype) -> int:
@@ -57,11 +35,17 @@ def pool_pages(
     weights_bytes: int,
     memory_fraction: float,
     max_total_tokens: Optional[int] = None,
+    reserved_bytes: int = 0,
 ) -> int:
-    """Pages that fit `memory_fraction` of device memory left after the weights."""
+    """Pages that fit `memory_fraction` of device memory left after the weights, less
+    `reserved_bytes` of that budget (recurrent state). A model without attention layers
+    gets pages that hold no KV: they only index the prefix cache."""
     if max_total_tokens is not None:
         return max(1, max_total_tokens // page_size)
-    pages = kv_budget(weights_bytes, memory_fraction) // (kv_bytes_per_token(specs, dtype) * page_size)
+    per_token = kv_bytes_per_token(specs, dtype)
+    if per_token == 0:
+        return STATELESS_PAGES
+    pages = (kv_budget(weights_bytes, memory_fraction) - reserved_bytes) // (per_token * page_size)
     if pages < 1:
         raise ValueError("no memory left for the KV pool; lower the model size or set max_total_tokens")
     return pages
@@ -78,6 +62,7 @@ class KVPool:
 
     def __init__(self, specs: List[LayerSpec], dtype: mx.Dtype, num_pages: int, page_size: int):
         self.specs = specs
+        self.dtype = dtype
         self.page_size = page_size
         self.num_pages = num_pages
         n = num_pages * page_size

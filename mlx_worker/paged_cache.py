@@ -1,6 +1,6 @@
 """mlx-lm cache objects over the paged pool, so unmodified mlx-lm models run on it."""
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -16,8 +16,11 @@ class BatchLayout:
     keys past a row's end are padding, hidden by the mask.
     """
 
-    def __init__(self, page_tables: Sequence[Sequence[int]], offsets: Sequence[int], L: int, page_size: int):
+    def __init__(self, page_tables: Sequence[Sequence[int]], offsets: Sequence[int], L: int, page_size: int,
+                 head_groups: bool = False):
         offs = np.asarray(offsets, dtype=np.int64)
+        self.uniform = bool((offs == offs[0]).all())
+        self.head_groups = head_groups  # the model splits heads into groups: masks get one more axis
         self.L = L
         self.Lk = int(offs.max()) + L
         self.offsets_np = offs
@@ -30,7 +33,8 @@ class BatchLayout:
         else:
             writes = self._slots(pos)
         self.write_slots = mx.array(writes[:, None].astype(np.int32))  # (B, 1, L)
-        self.offset = mx.array(offs.astype(np.int32)) if len(offs) > 1 else int(offs[0])
+        # One int when every row is at the same position: some models' code needs it.
+        self.offset = int(offs[0]) if self.uniform else mx.array(offs.astype(np.int32))
         self._table: Optional[mx.array] = None
         self._masks: Dict[Optional[int], Optional[mx.array]] = {}
 
@@ -64,30 +68,37 @@ class BatchLayout:
         return self._masks[window]
 
     def _make_mask(self, window: Optional[int]) -> Optional[mx.array]:
-        B = len(self.offsets_np)
-        uniform = bool((self.offsets_np == self.offsets_np[0]).all())
-        if uniform and self.L == 1 and (window is None or self.Lk <= window):
+        if self.uniform and self.L == 1 and (window is None or self.Lk <= window):
             return None  # every key is visible to every row
-        q = self.offsets_np[:, None] + np.arange(self.L)[None]  # (B, L)
+        offsets = self.offsets_np[:1] if self.uniform else self.offsets_np
+        q = offsets[:, None] + np.arange(self.L)[None]  # (B, L)
         k = np.arange(self.Lk)[None, None]  # (1, 1, Lk)
         m = k <= q[:, :, None]
         if window is not None:
             m &= k > q[:, :, None] - window
-        return mx.array(m[:, None])  # (B, 1, L, Lk)
+        if self.uniform:
+            return mx.array(m[0])  # (L, Lk): broadcasts against any head layout
+        return mx.array(m[:, None, None] if self.head_groups else m[:, None])  # (B, 1, [1,] L, Lk)
 
 
 class PagedKVCache:
     """One layer's cache for one forward: writes new K/V to the pool, reads the rows back.
 
     Follows the mlx-lm cache protocol that attention layers use (`offset`,
-    `update_and_fetch`, `make_mask`); the pool holds the only copy of the KV.
+    `update_and_fetch`, `make_mask`, and `keys_and_values` for layers that reuse an
+    earlier layer's KV); the pool holds the only copy of the KV. As a chunked-attention
+    cache (llama4) it keeps every position (`start_position` 0): the model's chunk mask
+    hides the ones outside the chunk.
     """
+
+    start_position = 0
 
     def __init__(self, pool: KVPool, layer: int, layout: BatchLayout, staged=None):
         self.pool = pool
         self.layer = layer
         self.layout = layout
         self.staged = staged  # a decode_kv.DecodeKV: read the decode rows from it
+        self.keys = self.values = None  # this forward's K/V as attention sees them
 
     @property
     def offset(self):
@@ -96,8 +107,16 @@ class PagedKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self.pool.write(self.layer, self.layout.write_slots, keys, values)
         if self.staged is not None:
-            return self.staged.update(self.layer, keys, values)
-        return self.pool.read(self.layer, self.layout.table)
+            self.keys, self.values = self.staged.update(self.layer, keys, values)
+        else:
+            self.keys, self.values = self.pool.read(self.layer, self.layout.table)
+        return self.keys, self.values
+
+    def keys_and_values(self):
+        return self.keys, self.values
+
+    def maybe_trim_front(self) -> None:
+        pass
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         return self.layout.mask(window_size)
@@ -111,7 +130,3 @@ class PagedKVCache:
 
     def empty(self) -> bool:
         return False
-
-
-def make_caches(pool: KVPool, layout: BatchLayout, staged=None) -> List[PagedKVCache]:
-    return [PagedKVCache(pool, i, layout, staged) for i in range(len(pool.specs))]

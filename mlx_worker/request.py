@@ -77,6 +77,7 @@ class Sequence:
     counts: Optional[mx.array] = None  # output token counts (presence/frequency penalties)
     seen: Optional[mx.array] = None  # tokens seen so far (repetition penalty)
     matcher: Optional[object] = None  # grammar.Matcher of a structured-output request
+    state: Optional[object] = None  # recurrent_state.RowState after its last forward; None: fresh
 
     def __post_init__(self):
         self.num_tokens = len(self.tokens)

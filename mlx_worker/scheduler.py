@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
 from .page_manager import PageManager
+from .state_snapshots import StateSnapshots
 from .request import RequestOutput, Sequence, Status
 
 
@@ -39,8 +40,10 @@ class Scheduler:
     same slots are ordered after them through the pool arrays.
     """
 
-    def __init__(self, pages: PageManager, eos_ids: Set[int], max_running: int, max_batched_tokens: int):
+    def __init__(self, pages: PageManager, eos_ids: Set[int], max_running: int, max_batched_tokens: int,
+                 snapshots: Optional[StateSnapshots] = None):
         self.pages = pages
+        self.snapshots = snapshots  # a model with recurrent layers resumes only at a snapshot
         self.page_size = pages.page_size
         self.eos_ids = set(eos_ids)
         self.max_running = max_running
@@ -103,7 +106,7 @@ class Scheduler:
             n = self._schedule_prefill(plan, seq, budget)
             if n == 0:
                 self.pages.release(seq.pages)
-                seq.pages, seq.num_computed, seq.num_published = [], 0, 0
+                seq.pages, seq.num_computed, seq.num_published, seq.state = [], 0, 0, None
                 break
             self.waiting.pop(0)
             seq.status = Status.RUNNING
@@ -148,6 +151,8 @@ class Scheduler:
         length = min(length, room)
         if length <= 0:
             return 0
+        if self.snapshots is not None:
+            length = self._end_on_snapshot_point(seq, start, length)
         need = -(-(start + length) // self.page_size) - len(seq.pages)
         if need > 0:
             seq.pages += self.pages.allocate(need)
@@ -159,11 +164,27 @@ class Scheduler:
         self._publish(seq)
         return length
 
+    def _end_on_snapshot_point(self, seq: Sequence, start: int, length: int) -> int:
+        """Shorten a chunk of a model with recurrent layers so that it ends where a state
+        snapshot is worth taking: on the prompt's last full page, or else on a page
+        boundary when the chunk stops short of the known tokens."""
+        P = self.page_size
+        last_page_end = (seq.num_tokens - 1) // P * P  # where a later prefix hit resumes
+        if start < last_page_end < start + length:
+            return last_page_end - start
+        if start + length < seq.num_tokens and (start + length) // P * P > start:
+            return (start + length) // P * P - start
+        return length
+
     def _match_prefix(self, seq: Sequence) -> None:
         # Leave at least one token to compute: its logits give the next token.
         n_pages = (seq.num_tokens - 1) // self.page_size
         first = seq.num_preemptions == 0
-        seq.pages = self.pages.match(seq.full_page_hashes(n_pages), seq.num_tokens if first else 0, count=first)
+        hashes = seq.full_page_hashes(n_pages)
+        if self.snapshots is not None:
+            hashes = hashes[: self.snapshots.resumable(hashes, self.pages.page_of)]
+            seq.state = self.snapshots.take(hashes[-1]) if hashes else None
+        seq.pages = self.pages.match(hashes, seq.num_tokens if first else 0, count=first)
         seq.num_published = len(seq.pages)
         seq.num_computed = len(seq.pages) * self.page_size
         if first:
@@ -191,7 +212,7 @@ class Scheduler:
         self._publish(seq)
         self.pages.release(seq.pages)
         seq.pages, seq.num_computed, seq.num_published = [], 0, 0
-        seq.next_input = None
+        seq.next_input = seq.state = None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status == Status.RUNNING:

@@ -1,16 +1,20 @@
 """Builds each step's forward passes lazily and runs them on the device asynchronously."""
 
+import itertools
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
+from .batch_probe import RAGGED, RAGGED_HEAD_GROUPS, UNIFORM
 from .decode_kv import DecodeStaging
 from .kv_pool import KVPool
+from .model_caches import CacheTree
 from .output_head import split_output_head
-from .paged_cache import BatchLayout, make_caches
+from .paged_cache import BatchLayout, PagedKVCache
+from .recurrent_state import RecurrentStates, RowState
 from .request import Sequence
 from .sampling import SampleResult, SamplerRow, sample
 from .scheduler import StepPlan
@@ -40,11 +44,21 @@ class Worker:
     and may only when no pending work still reads it: a pool write dispatched while an
     earlier forward's pool read is pending copies the whole layer array (every layer,
     every step: the whole pool). `finalize` returns a step's tokens as ints.
+
+    Recurrent layers read each row's state from its sequence and leave the new state
+    there (recurrent_state.py); a prefill chunk that ends on a page boundary leaves a
+    snapshot of it for the prefix cache (state_snapshots.py). A model whose code cannot
+    take rows at different positions (batch_probe.py) gets one forward per position.
     """
 
-    def __init__(self, model, pool: KVPool, vocab_size: int, stop_ids: List[int], staging_bytes: int = 0):
+    def __init__(self, model, pool: KVPool, tree: CacheTree, vocab_size: int, stop_ids: List[int],
+                 staging_bytes: int = 0, snapshots=None, batching: str = RAGGED):
         self.model = model
-        self.staging = DecodeStaging(pool, staging_bytes)
+        self.tree = tree
+        self.states = RecurrentStates(tree.states)
+        self.snapshots = snapshots  # state_snapshots.StateSnapshots of a model with recurrent layers
+        self.batching = batching
+        self.staging = DecodeStaging(pool, 0 if batching == UNIFORM else staging_bytes)
         self.split = split_output_head(model)  # None: full logits, then slice
         self.pool = pool
         self.vocab = vocab_size
@@ -53,30 +67,37 @@ class Worker:
         self.device_s = 0.0  # time spent dispatching to and waiting for the device (the rest is host work)
 
     def launch(self, plan: StepPlan) -> InFlightStep:
-        P = self.pool.page_size
         last_logits = []
         if plan.decode:
-            plan.decode, staged = self.staging.stage(plan.decode, self._dispatch)  # rows in slot order
-            seqs = [s for s, _ in plan.decode]
-            inputs = mx.concatenate([s.next_input for s in seqs])[:, None]
-            layout = BatchLayout([s.pages for s in seqs], [p for _, p in plan.decode], 1, P)
-            logits = self.model(inputs, cache=make_caches(self.pool, layout, staged))[:, -1, :]
-            self._dispatch(logits, *(staged.arrays() if staged else ()))
-            last_logits.append(logits)
+            staged = None
+            if self.batching == UNIFORM:  # rows at one position share a forward
+                plan.decode = sorted(plan.decode, key=lambda row: row[1])
+                groups = [list(g) for _, g in itertools.groupby(plan.decode, key=lambda row: row[1])]
+            else:
+                plan.decode, staged = self.staging.stage(plan.decode, self._dispatch)  # rows in slot order
+                groups = [plan.decode]
+            for rows in groups:
+                seqs = [s for s, _ in rows]
+                inputs = mx.concatenate([s.next_input for s in seqs])[:, None]
+                layout = self._layout([s.pages for s in seqs], [p for _, p in rows], 1)
+                logits, states = self._forward(inputs, seqs, layout, staged)
+                logits = logits[:, -1, :]
+                self._dispatch(logits, *states, *(staged.arrays() if staged else ()))
+                last_logits.append(logits)
         else:
             self.staging.reset()
         # Prefill chunks of equal length share one forward (rows may start anywhere).
-        by_len: Dict[int, list] = {}
+        groups: Dict[tuple, list] = {}
         for chunk in plan.prefills:
-            by_len.setdefault(chunk.length, []).append(chunk)
+            key = (chunk.length, chunk.start if self.batching == UNIFORM else 0)
+            groups.setdefault(key, []).append(chunk)
         prefill_logits = {}
-        for L, chunks in by_len.items():
+        for (L, _), chunks in groups.items():
             inputs = mx.array([c.seq.tokens[c.start : c.start + L] for c in chunks])
-            layout = BatchLayout([c.seq.pages for c in chunks], [c.start for c in chunks], L, P)
-            caches = make_caches(self.pool, layout)
-            out = self.split[0](inputs, caches) if self.split else self.model(inputs, cache=caches)
+            layout = self._layout([c.seq.pages for c in chunks], [c.start for c in chunks], L)
+            out, states = self._forward(inputs, [c.seq for c in chunks], layout, body_only=bool(self.split))
             ends = {id(c): out[i : i + 1, -1, :] for i, c in enumerate(chunks) if c.samples}
-            self._dispatch(*ends.values())
+            self._dispatch(*ends.values(), *states, *self._snapshot(chunks))
             prefill_logits.update(ends)
         ends = [prefill_logits[id(c)] for c in plan.prefills if c.samples]
         if ends and self.split:  # hidden states of the sampled positions only
@@ -99,6 +120,36 @@ class Worker:
         self._on_device(mx.async_eval, *result.arrays())  # reads no pool array: no fence needed
         return InFlightStep(plan, result)
 
+    def _layout(self, page_tables, offsets, L: int) -> BatchLayout:
+        return BatchLayout(page_tables, offsets, L, self.pool.page_size, self.batching == RAGGED_HEAD_GROUPS)
+
+    def _forward(self, inputs: mx.array, seqs: List[Sequence], layout: BatchLayout, staged=None,
+                 body_only: bool = False) -> Tuple[mx.array, List[mx.array]]:
+        """One forward of `seqs`' rows: its logits (hidden states if `body_only`) and
+        the recurrent states it leaves in the sequences (still lazy)."""
+        state_caches = self.states.caches([s.state for s in seqs]) if self.states else []
+        caches = self.tree.build(lambda i: PagedKVCache(self.pool, i, layout, staged), lambda j: state_caches[j])
+        out = self.split[0](inputs, caches) if body_only else self.model(inputs, cache=caches)
+        if not state_caches:
+            return out, []
+        batch = RecurrentStates.collect(state_caches)
+        for i, seq in enumerate(seqs):
+            seq.state = RowState(batch, i)
+        return out, RecurrentStates.arrays(batch)
+
+    def _snapshot(self, chunks) -> List[mx.array]:
+        """Snapshot the state of rows whose chunk ends on a page boundary."""
+        if self.snapshots is None:
+            return []
+        arrays = []
+        for c in chunks:
+            end = c.start + c.length
+            if end % self.pool.page_size == 0:
+                snap = RecurrentStates.snapshot(c.seq.state)
+                self.snapshots.put(c.seq.full_page_hashes(end // self.pool.page_size)[-1], snap)
+                arrays += RecurrentStates.arrays(snap.batch)
+        return arrays
+
     def _dispatch(self, *outputs: mx.array) -> None:
         """Hand one forward (its outputs and the pool writes it made) to the device, once
         the device has finished all earlier work, so the writes reuse the pool buffers."""
@@ -113,8 +164,11 @@ class Worker:
             self._busy = False
 
     def reset(self) -> None:
-        """After a failed step: drop the staged batch, wait out what was dispatched."""
+        """After a failed step: drop the staged batch and snapshots, wait out what was
+        dispatched."""
         self.staging.reset()
+        if self.snapshots is not None:
+            self.snapshots.reset()
         try:
             self.fence()
         except Exception:  # noqa: BLE001 - the failed step's own arrays

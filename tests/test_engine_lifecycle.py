@@ -210,10 +210,11 @@ def test_a_script_that_never_calls_shutdown_exits_cleanly():
 
 def test_a_failing_step_fails_its_requests_and_the_engine_serves_on():
     """gpt_bigcode's forward takes one integer offset for the batch (np.arange over it), so
-    a decode step of two rows at different positions raises inside the model: those two
-    requests end with an engine error, their pages are freed, and the next request runs."""
+    with the load-time probe overridden (batching="ragged") a decode step of two rows at
+    different positions raises inside the model: those two requests end with an engine
+    error, their pages are freed, and the next request runs."""
     model = make_tiny_model("gpt_bigcode")
-    eng = Engine(EngineConfig(max_total_tokens=2048), model=model)
+    eng = Engine(EngineConfig(max_total_tokens=2048, batching="ragged"), model=model)
 
     async def main():
         both = await asyncio.gather(collect(eng, req("a", rand_prompt(20, 1), 8)),

@@ -421,11 +421,12 @@ def test_prompt_larger_than_the_pool_is_a_400_at_admission(farm):
 
 def test_a_failing_step_is_a_500_or_an_sse_error_and_the_replica_serves_on(farm, tmp_path_factory):
     """A tiny gpt_bigcode raises inside its forward on a decode step of rows at different
-    positions (it takes one integer offset for the batch): both requests of that step end
-    with an error in OpenAI's shape, and the same replica answers the next request."""
+    positions (it takes one integer offset for the batch; the load-time probe that gives it
+    one forward per position is overridden): both requests of that step end with an error
+    in OpenAI's shape, and the same replica answers the next request."""
     farm.ensure_macs(1)
     path = str(tiny_model_dir(tmp_path_factory, "gpt_bigcode"))
-    farm.deploy(model=path, num_replicas=1)
+    farm.deploy(model=path, num_replicas=1, engine={**ENGINE, "batching": "ragged"})
     before = [a.actor_id for a in farm.replicas()]
 
     async def main():
