@@ -3,8 +3,9 @@ load on a probe input, not from a list of architectures.
 
 Most mlx-lm models take per-row offsets and a (B, 1, L, Lk) mask. Some split heads into
 groups and need the mask with one more axis (gemma2); some need one integer offset for
-the whole batch (gpt_bigcode, llama4's chunk mask, afm7's KV-reuse layers): those get
-one forward per position (`UNIFORM`).
+the whole batch (gpt_bigcode, llama4's chunk mask, afm7's KV-reuse layers) or place every
+row's queries at the end of the keys (minimax_m3's block selection): those get one
+forward per position (`UNIFORM`).
 """
 
 import mlx.core as mx
@@ -16,7 +17,9 @@ from .paged_cache import BatchLayout, PagedKVCache
 from .recurrent_state import RecurrentStates, RowState
 
 RAGGED, RAGGED_HEAD_GROUPS, UNIFORM = "ragged", "ragged_head_groups", "uniform_offsets"
-PROMPTS = ([11, 12, 13], [21, 22, 23, 24, 25])
+# Long enough that length-gated code (sparse block selection, sliding windows) runs; code
+# gated on longer contexts than these is not checked.
+PROMPTS = tuple([100 + 7 * i % 997 for i in range(n)] for n in (24, 61))
 TOLERANCE = 3e-2  # relative: batched vs single-row float16 differ by far less; a wrong position by far more
 
 
@@ -34,7 +37,7 @@ def probe_batching(model, tree: CacheTree) -> str:
 
 def _ragged_last_tokens(model, tree: CacheTree, head_groups: bool):
     """Each prompt but its last token alone, then the last tokens of all together."""
-    P = 8
+    P = 64
     pool = KVPool(tree.kv, tree.kv_dtype, num_pages=len(PROMPTS), page_size=P)
     states = RecurrentStates(tree.states)
 

@@ -81,11 +81,15 @@ class DecodeKV:
         """Store this step's (B, H, 1, D) keys/values; return K/V of slots 0..B-1 up to
         the longest row."""
         K, V = self.keys[layer], self.values[layer]
+        has_values = V.shape[-1] > 0  # an index-key cache stores no values (MLX can't scatter empty rows)
         for dst, k, v in self._edits[layer]:  # whole moved rows, or joined history 0..n-1
-            K[dst, :, : k.shape[2]], V[dst, :, : v.shape[2]] = k, v
+            K[dst, :, : k.shape[2]] = k
+            if has_values:
+                V[dst, :, : v.shape[2]] = v
         idx = (self._rows, self._heads[keys.shape[1]], self._pos)
         K[idx] = keys[:, :, 0, :]
-        V[idx] = values[:, :, 0, :]
+        if has_values:
+            V[idx] = values[:, :, 0, :]
         return K[: self.B, :, : self.Lk], V[: self.B, :, : self.Lk]
 
     def arrays(self) -> List[mx.array]:

@@ -83,9 +83,13 @@ class KVPool:
         """Store keys/values (B, H, L, D) at `slots` (B, 1, L)."""
         heads = self._heads[keys.shape[1]]
         self.keys[layer][heads, slots] = keys
-        self.values[layer][heads, slots] = values
+        if values.shape[-1]:  # an index-key cache stores no values (MLX can't scatter empty rows)
+            self.values[layer][heads, slots] = values
 
     def read(self, layer: int, table: mx.array):
         """K and V (B, H, Lk, D) of the slots in `table` (B, 1, Lk)."""
         heads = self._heads[self.keys[layer].shape[0]]
-        return self.keys[layer][heads, table], self.values[layer][heads, table]
+        keys = self.keys[layer][heads, table]
+        if not self.specs[layer].v_dim:
+            return keys, mx.zeros(keys.shape[:-1] + (0,), self.dtype)
+        return keys, self.values[layer][heads, table]

@@ -46,7 +46,7 @@ class StateSpec:
 
 @dataclass
 class CacheTree:
-    nodes: list  # per model cache entry: ("kv", i) | ("state", j) | ("list", [nodes])
+    nodes: list  # per model cache entry: ("kv", i) | ("state", j) | ("list", [nodes]) | ("unused", None)
     kv: List[LayerSpec] = field(default_factory=list)
     states: List[StateSpec] = field(default_factory=list)
     kv_dtype: mx.Dtype = mx.float32
@@ -64,6 +64,8 @@ class CacheTree:
                 return kv_cache(arg)
             if kind == "state":
                 return state_cache(arg)
+            if kind == "unused":
+                return mlx_cache.KVCache()
             return mlx_cache.CacheList(*(make(n) for n in arg))
 
         return [make(n) for n in self.nodes]
@@ -85,6 +87,8 @@ def probe_caches(model) -> CacheTree:
             tree.states.append(StateSpec(tuple(a.shape[1:] for a in arrays), tuple(a.dtype for a in arrays)))
             return ("state", len(tree.states) - 1)
         if isinstance(c, (mlx_cache.KVCache, mlx_cache.RotatingKVCache, mlx_cache.ChunkedKVCache)):
+            if c.keys is None:  # a layer that keeps nothing (e.g. attention replaced by a no-op)
+                return ("unused", None)
             k, v = c.keys, c.values
             window = c.max_size if isinstance(c, mlx_cache.RotatingKVCache) else None
             tree.kv.append(LayerSpec(k.shape[1], k.shape[3], v.shape[3], window))

@@ -119,6 +119,9 @@ class PagedKVCache:
         pass
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        kept = self.pool.specs[self.layer].window
+        if kept is not None:  # as mlx-lm's RotatingKVCache: a decode step sees only the positions it keeps
+            window_size = min(window_size or kept, kept) if N == 1 else window_size or kept
         return self.layout.mask(window_size)
 
     def is_trimmable(self) -> bool:

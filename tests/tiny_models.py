@@ -37,15 +37,22 @@ CONFIGS = {
 }
 
 
+def config(arch: str) -> dict:
+    from arch_configs import ARCH_CONFIGS
+
+    return CONFIGS[arch] if arch in CONFIGS else ARCH_CONFIGS[arch]
+
+
 def make_tiny_model(arch: str, seed: int = 0, dtype=mx.float32):
-    """A random-weight model of mlx-lm's own class for `arch`."""
+    """A random-weight model of mlx-lm's own class for `arch` (a module of mlx_lm.models)."""
     module = importlib.import_module(f"mlx_lm.models.{arch}")
-    args = module.ModelArgs.from_dict(CONFIGS[arch])
+    args = module.ModelArgs.from_dict(config(arch))
     mx.random.seed(seed)
     model = module.Model(args)
     # Larger weights than the default init make outputs depend on the whole context
     # (not just the last token) and keep logits peaked, so greedy ties are rare.
-    model.update(tree_map(lambda w: w * WEIGHT_SCALE if w.ndim == 2 else w, model.parameters()))
+    model.update(tree_map(lambda w: w * WEIGHT_SCALE if w.ndim == 2 and mx.issubdtype(w.dtype, mx.floating) else w,
+                          model.parameters()))
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
@@ -57,7 +64,7 @@ def save_tiny_model(arch: str, path: Path, tokenizer_dir: Optional[Path] = None,
     path.mkdir(parents=True, exist_ok=True)
     model = make_tiny_model(arch, seed)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps({**CONFIGS[arch], "max_position_embeddings": 1024}))
+    (path / "config.json").write_text(json.dumps({**config(arch), "max_position_embeddings": 1024}))
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
