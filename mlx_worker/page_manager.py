@@ -65,6 +65,10 @@ class PageManager:
             self.query_tokens += num_tokens
         return pages
 
+    def cached_depth(self, hashes: List[int]) -> int:
+        """How many leading pages of `hashes` are cached."""
+        return next((i for i, h in enumerate(hashes) if h not in self.page_of), len(hashes))
+
     def publish(self, page: int, h: int) -> bool:
         """Make a full, computed page findable by its hash. False if the hash is taken."""
         if h in self.page_of or page in self.hash_of:

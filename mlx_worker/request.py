@@ -78,6 +78,7 @@ class Sequence:
     seen: Optional[mx.array] = None  # tokens seen so far (repetition penalty)
     matcher: Optional[object] = None  # grammar.Matcher of a structured-output request
     state: Optional[object] = None  # recurrent_state.RowState after its last forward; None: fresh
+    branch_point: int = 0  # where its prompt leaves an earlier one's cached pages: snapshot there
 
     def __post_init__(self):
         self.num_tokens = len(self.tokens)

@@ -166,12 +166,14 @@ class Scheduler:
 
     def _end_on_snapshot_point(self, seq: Sequence, start: int, length: int) -> int:
         """Shorten a chunk of a model with recurrent layers so that it ends where a state
-        snapshot is worth taking: on the prompt's last full page, or else on a page
-        boundary when the chunk stops short of the known tokens."""
+        snapshot is worth taking: where its prompt leaves the cached pages of an earlier
+        one (a third prompt sharing that prefix resumes there), on the prompt's last full
+        page, or else on a page boundary when the chunk stops short of the known tokens."""
         P = self.page_size
         last_page_end = (seq.num_tokens - 1) // P * P  # where a later prefix hit resumes
-        if start < last_page_end < start + length:
-            return last_page_end - start
+        for point in (seq.branch_point, last_page_end):
+            if start < point < start + length:
+                return point - start
         if start + length < seq.num_tokens and (start + length) // P * P > start:
             return (start + length) // P * P - start
         return length
@@ -182,7 +184,10 @@ class Scheduler:
         first = seq.num_preemptions == 0
         hashes = seq.full_page_hashes(n_pages)
         if self.snapshots is not None:
-            hashes = hashes[: self.snapshots.resumable(hashes, self.pages.page_of)]
+            depth = self.snapshots.resumable(hashes, self.pages.page_of)
+            cached = self.pages.cached_depth(hashes)
+            seq.branch_point = cached * self.page_size if cached > depth else 0
+            hashes = hashes[:depth]
             seq.state = self.snapshots.take(hashes[-1]) if hashes else None
         seq.pages = self.pages.match(hashes, seq.num_tokens if first else 0, count=first)
         seq.num_published = len(seq.pages)

@@ -43,9 +43,7 @@ class StateSnapshots:
     def resumable(self, hashes: List[int], cached: Container[int]) -> int:
         """Pages of `hashes` a sequence can resume after: the deepest k whose first k
         pages are all cached and whose page k has a snapshot (0 if none)."""
-        n = 0
-        while n < len(hashes) and hashes[n] in cached:
-            n += 1
+        n = next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
         while n > 0 and hashes[n - 1] not in self._by_hash:
             n -= 1
         return n

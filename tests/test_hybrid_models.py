@@ -79,6 +79,18 @@ def test_prefix_hit_resumes_from_the_cache(arch, model):
     eng.shutdown()
 
 
+def test_a_shared_prefix_resumes_where_prompts_branch(arch, model):
+    """Two prompts share 40 tokens, then differ. The second finds 2 cached pages of the
+    first; a recurrent model has no snapshot there yet, so it computes them and leaves
+    one at the branch point: a third prompt with the same prefix resumes there."""
+    eng = Engine(EngineConfig(max_total_tokens=4096), model=model)
+    shared = prompts(1, 40, 41, seed=11)[0]
+    tails = prompts(3, 10, 11, seed=12)
+    outs = [check(model, eng, [shared + t], 4)[0][1] for t in tails]
+    assert [o.num_cached_tokens for o in outs] == [0, 0 if arch in RECURRENT else 32, 32]
+    eng.shutdown()
+
+
 def test_preemption_and_resume(model):
     eng = Engine(EngineConfig(max_total_tokens=128, page_size=16), model=model)
     check(model, eng, prompts(3, 20, 24, seed=5), 40)
