@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
@@ -15,37 +16,45 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlx_worker.paging import PAGE_SIZE, page_hashes
 
+from . import anthropic_api as A
 from . import protocol as P
+from . import responses_api as R
 from . import tools as T
+from .output_parser import OutputParser, Parsed, starts_in_reasoning, think_format
 
 api = FastAPI(title="macfarm", description="OpenAI-compatible LLM serving on a Mac farm")
 
 # A body is refused (413) past this many bytes per token of context (at least 1 MiB):
 # tokenizing a multi-MB prompt that cannot fit anyway blocks the ingress for seconds.
 BODY_BYTES_PER_TOKEN = 64
+ANTHROPIC_ROUTES = ("/v1/messages",)  # errors there take Anthropic's shape
 
 
-def _error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None, headers=None):
+def _error(request: Request, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+           headers=None):
+    """An error in the shape of the API the request went to."""
+    if request.url.path.startswith(ANTHROPIC_ROUTES):
+        return JSONResponse(A.error_body(status, message), status_code=status, headers=headers)
     return JSONResponse(P.error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 @api.exception_handler(P.ProtocolError)
-async def _protocol_error(_, e: "P.ProtocolError"):
-    return _error(e.status, e.message, e.param, e.code, getattr(e, "headers", None))
+async def _protocol_error(request: Request, e: "P.ProtocolError"):
+    return _error(request, e.status, e.message, e.param, e.code, getattr(e, "headers", None))
 
 
 @api.exception_handler(RequestValidationError)
-async def _validation_error(_, e: RequestValidationError):
+async def _validation_error(request: Request, e: RequestValidationError):
     errs = e.errors()
     first = errs[0] if errs else {}
     loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
     msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
-    return _error(400, msg, loc or None, "invalid_request")
+    return _error(request, 400, msg, loc or None, "invalid_request")
 
 
 @api.exception_handler(StarletteHTTPException)
-async def _http_error(_, e: StarletteHTTPException):
-    return _error(e.status_code, str(e.detail))
+async def _http_error(request: Request, e: StarletteHTTPException):
+    return _error(request, e.status_code, str(e.detail))
 
 
 class Ingress:
@@ -70,6 +79,7 @@ class Ingress:
         self.replica = replica.options(stream=True, method_name="generate")
         self.stats_handle = replica.options(method_name="stats")
         self.call_format = T.call_format(self.tokenizer)
+        self.think = think_format(self.tokenizer)
         self.created = int(time.time())
 
     # --- endpoints -------------------------------------------------------------------
@@ -93,23 +103,51 @@ class Ingress:
         self._auth(request)
         body = P.parse_request(P.ChatCompletionRequest, await self._body(request))
         self._check_model(body.model)
-        choice = body.effective_tool_choice
-        tools = body.tools if choice != "none" else None
-        messages, kw, grammar = body.chat_messages(), {}, None
-        if tools:
-            if self.call_format.native:
-                kw["tools"] = [t.model_dump(exclude_none=True) for t in tools]
-            else:
-                messages = T.with_tools(messages, tools)
-            try:
-                grammar = T.call_grammar(tools, choice, self.call_format)
-            except ValueError as e:
-                raise P.ProtocolError(str(e), "tool_choice")
-        try:
-            prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kw)
-        except Exception as e:  # noqa: BLE001 - templates raise anything
-            raise P.ProtocolError(f"chat template failed: {e}", "messages")
-        return await self._serve(body, list(prompt_ids), "chat", tools, grammar)
+        prompt_ids, parser, grammar = self._chat_prompt(body)
+        return await self._serve(body, prompt_ids, "chat", parser, grammar)
+
+    @api.post("/v1/messages")
+    async def messages(self, request: Request):
+        """Anthropic's Messages API, served through the chat path."""
+        self._auth(request)
+        body = P.parse_request(A.MessagesRequest, await self._body(request))
+        self._check_model(body.model)
+        chat = self._as_chat(body)
+        prompt_ids, parser, grammar = self._chat_prompt(chat)
+        params = self._params(chat, prompt_ids, "messages", grammar)
+        rid = P.random_id("msg")
+        first, stream = await self._start(rid, prompt_ids, params)
+        if body.stream:
+            return StreamingResponse(self._anthropic_sse(first, stream, rid, parser), media_type="text/event-stream")
+        outs = await self._rest(first, stream)
+        message = A.message(outs, self.model_name, rid, _whole(parser))
+        return JSONResponse(message.model_dump(mode="json", exclude_unset=True))
+
+    @api.post("/v1/responses")
+    async def responses(self, request: Request):
+        """OpenAI's Responses API, served through the chat path."""
+        self._auth(request)
+        body = P.parse_request(R.ResponsesRequest, await self._body(request))
+        self._check_model(body.model)
+        chat = self._as_chat(body)
+        prompt_ids, parser, grammar = self._chat_prompt(chat)
+        params = self._params(chat, prompt_ids, "input", grammar)
+        rid = R.new_id("resp")
+        first, stream = await self._start(rid, prompt_ids, params)
+        if body.stream:
+            return StreamingResponse(self._responses_sse(body, first, stream, rid, parser),
+                                     media_type="text/event-stream")
+        outs = await self._rest(first, stream)
+        response = R.response(body, outs, self.model_name, rid, _whole(parser))
+        return JSONResponse(response.model_dump(mode="json", exclude_none=True))
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_tokens(self, request: Request):
+        self._auth(request)
+        body = P.parse_request(A.CountTokensRequest, await self._body(request))
+        self._check_model(body.model)
+        prompt_ids, _, _ = self._chat_prompt(self._as_chat(body))
+        return {"input_tokens": len(prompt_ids)}
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -126,29 +164,60 @@ class Ingress:
     # --- the shared path -------------------------------------------------------------
     def _auth(self, request: Request) -> None:
         key = self.args.api_key
-        if key and request.headers.get("authorization", "") != f"Bearer {key}":
+        if key and request.headers.get("authorization", "") != f"Bearer {key}" \
+                and request.headers.get("x-api-key") != key:
             raise P.ProtocolError("invalid API key", code="invalid_api_key", status=401)
 
-    async def _body(self, request: Request) -> bytes:
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise P.ProtocolError(f"the request body is {len(raw)} bytes; at most {self.max_body_bytes} are accepted "
-                                  f"(the model's context is {self.max_model_len} tokens)",
-                                  code="request_too_large", status=413)
-        return raw
+    @staticmethod
+    def _as_chat(body) -> "P.ChatCompletionRequest":
+        """An Anthropic or Responses request as the chat request it maps onto."""
+        try:
+            return body.to_chat()
+        except ValidationError as e:
+            raise P.ProtocolError.from_validation(e) from None
+        except ValueError as e:  # an input item the chat path cannot take
+            raise P.ProtocolError(str(e), "input") from None
 
-    def _check_model(self, model: Optional[str]) -> None:
-        if model and model not in (self.model_name, self.args.model):
-            raise P.ProtocolError(f"model {model!r} does not exist; this server serves {self.model_name!r}",
-                                  "model", "model_not_found", status=404)
+    def _chat_prompt(self, body: "P.ChatCompletionRequest"):
+        """The prompt's token ids (chat template, tools rendered into it), the tools the
+        output may call, and the grammar that forces a call (tool_choice required/named)."""
+        choice = body.effective_tool_choice
+        tools = body.tools if choice != "none" else None
+        messages, kw, grammar = body.chat_messages(), dict(body.chat_template_kwargs or {}), None
+        if body.reasoning_effort:
+            kw["reasoning_effort"] = body.reasoning_effort
+        if tools:
+            if self.call_format.native:
+                kw["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+            else:
+                messages = T.with_tools(messages, tools)
+            try:
+                grammar = T.call_grammar(tools, choice, self.call_format)
+            except ValueError as e:
+                raise P.ProtocolError(str(e), "tool_choice")
+        try:
+            prompt_ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kw))
+        except Exception as e:  # noqa: BLE001 - templates raise anything
+            raise P.ProtocolError(f"chat template failed: {e}", "messages")
+        return prompt_ids, self._parser_factory(prompt_ids, tools), grammar
 
-    async def _serve(self, body, prompt_ids: List[int], kind: str, tools=None, tool_grammar=None):
+    def _parser_factory(self, prompt_ids: List[int], tools):
+        """Makes a sample's OutputParser (reasoning, content, tool calls); None when the
+        model has no thinking markers and there are no tools: the text is all content."""
+        if not (self.think or tools):
+            return None
+        in_reasoning = starts_in_reasoning(self.tokenizer, prompt_ids)
+        return lambda: OutputParser(self.think, self.call_format, tools, in_reasoning)
+
+    def _params(self, body, prompt_ids: List[int], field: str, tool_grammar=None):
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise P.ProtocolError(f"prompt is {n} tokens; the model's context is {self.max_model_len}",
-                                  "messages" if kind == "chat" else "prompt", "context_length_exceeded")
-        params = P.to_sampling_params(body, self.args.default_max_tokens, self.max_model_len, n, tool_grammar)
-        rid = P.random_id("chatcmpl" if kind == "chat" else "cmpl")
+                                  field, "context_length_exceeded")
+        return P.to_sampling_params(body, self.args.default_max_tokens, self.max_model_len, n, tool_grammar)
+
+    async def _start(self, rid: str, prompt_ids: List[int], params):
+        """Send a request to a replica: its first output and the rest of the stream."""
         payload = {"rid": rid, "prompt_ids": prompt_ids, "params": params.model_dump(),
                    "page_hashes": page_hashes(prompt_ids, self.page_size)}
         stream = self.replica.remote(payload)
@@ -165,10 +234,11 @@ class Ingress:
             raise P.ProtocolError(first["error"], status=first.get("status", 400))
         if first.finish_reason == "error":
             raise _engine_error(first)
-        decode = self._decode_token if params.logprobs else None
-        if body.stream:
-            return StreamingResponse(self._sse(kind, first, stream, rid, decode, body.include_usage, tools),
-                                     media_type="text/event-stream")
+        return first, stream
+
+    @staticmethod
+    async def _rest(first, stream) -> list:
+        """All outputs of a request that is not streamed to the client."""
         outs = [first]
         try:
             async for out in stream:
@@ -178,24 +248,39 @@ class Ingress:
         failed = [o for o in outs if o.finish_reason == "error"]
         if failed:
             raise _engine_error(failed[0])
+        return outs
+
+    async def _body(self, request: Request) -> bytes:
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise P.ProtocolError(f"the request body is {len(raw)} bytes; at most {self.max_body_bytes} are accepted "
+                                  f"(the model's context is {self.max_model_len} tokens)",
+                                  code="request_too_large", status=413)
+        return raw
+
+    def _check_model(self, model: Optional[str]) -> None:
+        if model and model not in (self.model_name, self.args.model):
+            raise P.ProtocolError(f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                                  "model", "model_not_found", status=404)
+
+    async def _serve(self, body, prompt_ids: List[int], kind: str, parser=None, tool_grammar=None):
+        params = self._params(body, prompt_ids, "messages" if kind == "chat" else "prompt", tool_grammar)
+        rid = P.random_id("chatcmpl" if kind == "chat" else "cmpl")
+        first, stream = await self._start(rid, prompt_ids, params)
+        decode = self._decode_token if params.logprobs else None
+        if body.stream:
+            return StreamingResponse(self._sse(kind, first, stream, rid, decode, body.include_usage, parser),
+                                     media_type="text/event-stream")
+        outs = await self._rest(first, stream)
         if kind == "chat":
-            parse = self._whole_sample_parser(tools) if tools else None
-            response = P.chat_completion(outs, self.model_name, decode, id=rid, parse_calls=parse)
+            response = P.chat_completion(outs, self.model_name, decode, id=rid, parse=_whole(parser))
         else:
             response = P.completion(outs, self.model_name, decode, id=rid)
         return JSONResponse(response.model_dump(mode="json"))
 
-    def _whole_sample_parser(self, tools):
-        def parse(out):
-            parser = T.ToolCallParser(self.call_format, tools)
-            content, calls = parser.feed(out.text)
-            tail, more = parser.finish(out.finish_reason)
-            return content + tail, calls + more
-        return parse
-
-    async def _sse(self, kind, first, stream, rid, decode, include_usage, tools=None) -> AsyncIterator[str]:
+    async def _sse(self, kind, first, stream, rid, decode, include_usage, parser=None) -> AsyncIterator[str]:
         created, outs, started, offsets = int(time.time()), [], set(), {}
-        parsers: Dict[int, T.ToolCallParser] = {}
+        parsers: Dict[int, OutputParser] = {}
         try:
             out = first
             while True:
@@ -203,11 +288,12 @@ class Ingress:
                     yield f"data: {json.dumps(_engine_error(out).body())}\n\n"
                     return
                 outs.append(out)
-                if kind == "chat" and tools:
-                    chunk = self._tool_chunk(parsers, tools, out, rid, created, decode, first=out.index not in started)
-                    started.add(out.index)
-                elif kind == "chat":
-                    chunk = P.chat_chunk(out, rid, created, self.model_name, decode, first=out.index not in started)
+                if kind == "chat":
+                    p = parsers.setdefault(out.index, parser()) if parser else None
+                    before = p.num_calls if p else 0
+                    parsed = _piece(p, out)
+                    chunk = P.chat_chunk(out, rid, created, self.model_name, decode, first=out.index not in started,
+                                         parsed=parsed, first_call=before, called=bool(p and p.num_calls))
                     started.add(out.index)
                 else:
                     chunk = P.completion_chunk(out, rid, created, self.model_name, decode, offsets.get(out.index, 0))
@@ -228,20 +314,70 @@ class Ingress:
         finally:
             stream.cancel()  # no-op when finished; aborts the engine request on disconnect
 
-    def _tool_chunk(self, parsers, tools, out, rid, created, decode, first):
-        """A chat chunk of a request with tools: content and completed calls of `out`."""
-        parser = parsers.setdefault(out.index, T.ToolCallParser(self.call_format, tools))
-        before = parser.num_calls
-        text, calls = parser.feed(out.text)
-        if out.finished:
-            tail, more = parser.finish(out.finish_reason)
-            text, calls = text + tail, calls + more
-        deltas = [P.ToolCallDelta(index=before + i, **c.model_dump()) for i, c in enumerate(calls)]
-        return P.chat_chunk(out, rid, created, self.model_name, decode, first=first, text=text, tool_calls=deltas,
-                            called=parser.num_calls > 0)
+    async def _pieces(self, first, stream, parser) -> AsyncIterator[tuple]:
+        """(output, what it adds) for each streamed output of a one-sample request; a
+        ProtocolError in place of the piece when the engine or the replica fails it."""
+        parser = parser() if parser else None
+        out = first
+        while True:
+            if out.finish_reason == "error":
+                yield out, _engine_error(out)
+                return
+            yield out, _piece(parser, out)
+            if out.finished:
+                return
+            try:
+                out = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+            except Exception as e:  # noqa: BLE001 - the replica died mid-stream
+                yield None, _replica_failed(e)
+                return
+
+    async def _anthropic_sse(self, first, stream, rid, parser) -> AsyncIterator[str]:
+        writer = A.StreamWriter(self.model_name, rid)
+        try:
+            for event in writer.start(first):
+                yield A.sse(event)
+            async for out, piece in self._pieces(first, stream, parser):
+                if isinstance(piece, P.ProtocolError):
+                    yield f"event: error\ndata: {json.dumps(A.error_body(piece.status, piece.message))}\n\n"
+                    return
+                events = [*writer.thinking(piece.reasoning), *writer.text(piece.content), *writer.tool_calls(piece.calls)]
+                for event in events + (list(writer.finish(out)) if out.finished else []):
+                    yield A.sse(event)
+        finally:
+            stream.cancel()
+
+    async def _responses_sse(self, body, first, stream, rid, parser) -> AsyncIterator[str]:
+        writer = R.StreamWriter(body, self.model_name, rid)
+        try:
+            for event in writer.start():
+                yield R.sse(event)
+            async for out, piece in self._pieces(first, stream, parser):
+                if isinstance(piece, P.ProtocolError):
+                    yield f"event: error\ndata: {json.dumps({'type': 'error', **piece.body()['error']})}\n\n"
+                    return
+                events = [*writer.reasoning(piece.reasoning), *writer.message(piece.content), *writer.calls(piece.calls)]
+                for event in events + (list(writer.finish(out)) if out.finished else []):
+                    yield R.sse(event)
+        finally:
+            stream.cancel()
 
     def _decode_token(self, tok: int) -> str:
         return self.tokenizer.decode([tok])
+
+
+def _whole(parser):
+    """A whole sample's text -> Parsed, with a fresh parser (None: all content)."""
+    return (lambda out: parser().whole(out.text, out.finish_reason)) if parser else None
+
+
+def _piece(parser: Optional[OutputParser], out) -> Parsed:
+    """What one streamed output adds (all of the rest when it is the last)."""
+    if parser is None:
+        return Parsed(out.text)
+    return parser.feed(out.text) + (parser.finish(out.finish_reason) if out.finished else Parsed())
 
 
 def _engine_error(out) -> "P.ProtocolError":

@@ -1,6 +1,6 @@
 """Tool calling for /v1/chat/completions: the request's tool types, the model's call
-format, prompts for models that know none, the grammar that guarantees a call, and
-the parser that turns generated text into content and OpenAI `tool_calls`.
+format, prompts for models that know none, and the grammar that guarantees a call
+(output_parser.py turns generated text into content and OpenAI `tool_calls`).
 
 A model whose tokenizer mlx-lm knows a tool-call format for (`has_tool_calling`) gets
 the tools through its own chat template and its calls parsed by mlx-lm's parser. Any
@@ -15,18 +15,12 @@ that needs a JSON-between-tags format, as the fallback and mlx-lm's `json_tools`
 """
 
 import json
-import logging
-import uuid
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
-from mlx_lm.generate import TextStateMachine
 from mlx_lm.tool_parsers import json_tools
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlx_worker.grammar import GrammarSpec
-
-log = logging.getLogger(__name__)
-
 
 # --- request types ---------------------------------------------------------------------
 class FunctionDef(BaseModel):
@@ -75,9 +69,6 @@ class CallFormat:
         self.json_between_tags = json_between_tags  # a call is `start + JSON + end`: grammar-constrainable
         self.native = native  # the chat template renders the tools itself
 
-    def state_machine(self) -> TextStateMachine:
-        return TextStateMachine({"normal": [(self.start, "tool")], "tool": [(self.end, "normal")] if self.end else []})
-
 
 def call_format(tokenizer) -> CallFormat:
     """The model's own format when mlx-lm knows it, else the fallback."""
@@ -123,64 +114,3 @@ def call_grammar(tools: List[Tool], choice: ToolChoice, fmt: CallFormat) -> Opti
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     newline = "\n" if fmt.native else ""  # Hermes/Qwen templates put the JSON on its own line
     return GrammarSpec(json_schema=schema, prefix=fmt.start + newline, suffix=newline + (fmt.end or ""))
-
-
-# --- output -----------------------------------------------------------------------------
-class ToolCallParser:
-    """Splits one sample's generated text into content and tool calls as it streams.
-    Text that may be the start of a call marker is held back until it is known not to
-    be, so markup never reaches the content."""
-
-    def __init__(self, fmt: CallFormat, tools: List[Tool]):
-        self.fmt = fmt
-        self.tools = [t.model_dump() for t in tools]
-        self._sm = fmt.state_machine()
-        self._state = self._sm.make_state("normal")
-        self._call_text: Optional[str] = None  # inside a call: its text so far
-        self.num_calls = 0
-
-    def feed(self, text: str) -> Tuple[str, List[ToolCall]]:
-        """Content and completed calls in `text` (more text of this sample)."""
-        self._state, segments = TextStateMachine.split(self._state, text)
-        return self._collect(segments)
-
-    def finish(self, reason: Optional[str]) -> Tuple[str, List[ToolCall]]:
-        """What is left at the end: held-back text when cut at the length limit (at a stop
-        it can only be a partial marker, dropped as mlx-lm's server does); a call cut
-        short is still read."""
-        if reason == "length":
-            self._state, rest, state = TextStateMachine.flush(self._state)
-        else:
-            (self._state, state), rest = TextStateMachine.discard(self._state), ""
-        content, calls = self._collect([(state, rest)])
-        if self._call_text is not None:
-            calls += self._parse(self._call_text)
-            self._call_text = None
-        return content, calls
-
-    def _collect(self, segments) -> Tuple[str, List[ToolCall]]:
-        content, calls = [], []
-        for state, text in segments:
-            if state == "tool":
-                self._call_text = (self._call_text or "") + text
-            else:
-                if self._call_text is not None:  # a call just ended
-                    calls += self._parse(self._call_text)
-                    self._call_text = None
-                content.append(text)
-        return "".join(content), calls
-
-    def _parse(self, text: str) -> List[ToolCall]:
-        try:
-            parsed = self.fmt.parser(text, self.tools)
-        except (ValueError, json.JSONDecodeError, KeyError, TypeError) as e:
-            log.warning("unparsable tool call dropped (%s: %s): %r", type(e).__name__, e, text[:200])
-            return []
-        out = []
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            args = call.get("arguments", {})
-            out.append(ToolCall(id=call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
-                                function=FunctionCall(name=call["name"], arguments=args if isinstance(args, str)
-                                                      else json.dumps(args, ensure_ascii=False))))
-        self.num_calls += len(out)
-        return out

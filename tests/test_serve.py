@@ -22,6 +22,8 @@ def served(tmp_path_factory):
         run_app(base, "main", "/", model=path, model_name="tiny", engine=ENGINE, router="pow2", api_key=KEY)
         run_app(base, "small", "/small", model=path, model_name="tiny", engine=ENGINE, router="pow2",
                 max_ongoing_requests=1, max_queued_requests=1)
+        run_app(base, "hybrid", "/hybrid", model=str(tiny_model_dir(tmp_path_factory, "qwen3_next")),
+                model_name="tiny-hybrid", engine=ENGINE, router="pow2")
         model, tok = mlx_load(path)
         yield base, model, tok
 
@@ -62,6 +64,25 @@ def test_multi_turn_uses_the_chat_template(served, client):
     msgs = MSGS + [{"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"}]
     r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
     assert r.choices[0].message.content == greedy_text(served, msgs, 6)[0]
+
+
+def test_multi_turn_chat_on_a_hybrid_model_hits_the_cache_from_turn_2(served, tmp_path_factory):
+    """qwen3_next (linear-attention layers with recurrent state): each turn resends the
+    whole conversation; from turn 2 on the prompt resumes from a state snapshot."""
+    hybrid = openai.OpenAI(base_url=f"{served[0]}/hybrid/v1", api_key="none", max_retries=0)
+    model, tok = mlx_load(str(tiny_model_dir(tmp_path_factory, "qwen3_next")))
+    msgs = [{"role": "system", "content": "You are a patient tutor who answers in one short sentence. " * 3}]
+    cached = []
+    for turn in ("What is a prime number?", "Give an example.", "And a larger one?"):
+        msgs.append({"role": "user", "content": turn})
+        r = hybrid.chat.completions.create(model="tiny-hybrid", messages=msgs, max_tokens=8, temperature=0)
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
+        assert r.choices[0].message.content == tok.decode(reference_greedy(model, ids, 8), skip_special_tokens=True)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+    assert cached[0] == 0 and 0 < cached[1] < cached[2], cached
+    stats = httpx.get(f"{served[0]}/hybrid/v1/stats", timeout=30).json()["replica"]
+    assert stats["state_snapshots"] > 0 and stats["recurrent_state_bytes_per_request"] > 0
 
 
 def test_completions_stream_and_not(served, client):

@@ -14,7 +14,8 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 from serve_fixtures import ENGINE, run_app, serving, tiny_model_dir
 
-from serve_app.tools import FunctionDef, Tool, ToolCallParser, call_format
+from serve_app.output_parser import OutputParser
+from serve_app.tools import FunctionDef, Tool, call_format
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city.",
@@ -111,10 +112,10 @@ def test_markup_never_leaks_into_content_whatever_the_chunking():
     fmt = call_format(object())  # no native format: the fallback
     text = 'Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call> Then <tool_ca'
     for size in (1, 2, 5, 13, len(text)):
-        p = ToolCallParser(fmt, [Tool(type="function", function=FunctionDef(name="get_time"))])
+        p = OutputParser(None, fmt, [Tool(type="function", function=FunctionDef(name="get_time"))])
         pieces = [p.feed(text[i:i + size]) for i in range(0, len(text), size)] + [p.finish("stop")]
-        content = "".join(c for c, _ in pieces)
-        calls = [c for _, cs in pieces for c in cs]
+        content = "".join(x.content for x in pieces)
+        calls = [c for x in pieces for c in x.calls]
         assert content == "Sure.  Then ", (size, content)
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
 

@@ -43,10 +43,10 @@ def config(arch: str) -> dict:
     return CONFIGS[arch] if arch in CONFIGS else ARCH_CONFIGS[arch]
 
 
-def make_tiny_model(arch: str, seed: int = 0, dtype=mx.float32):
+def make_tiny_model(arch: str, seed: int = 0, dtype=mx.float32, **overrides):
     """A random-weight model of mlx-lm's own class for `arch` (a module of mlx_lm.models)."""
     module = importlib.import_module(f"mlx_lm.models.{arch}")
-    args = module.ModelArgs.from_dict(config(arch))
+    args = module.ModelArgs.from_dict({**config(arch), **overrides})
     mx.random.seed(seed)
     model = module.Model(args)
     # Larger weights than the default init make outputs depend on the whole context
@@ -58,13 +58,13 @@ def make_tiny_model(arch: str, seed: int = 0, dtype=mx.float32):
     return model
 
 
-def save_tiny_model(arch: str, path: Path, tokenizer_dir: Optional[Path] = None, seed: int = 0) -> Path:
+def save_tiny_model(arch: str, path: Path, tokenizer_dir: Optional[Path] = None, seed: int = 0, **overrides) -> Path:
     """Write a tiny model as an mlx-lm directory (weights + config + tokenizer files)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = make_tiny_model(arch, seed)
+    model = make_tiny_model(arch, seed, **overrides)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps({**config(arch), "max_position_embeddings": 1024}))
+    (path / "config.json").write_text(json.dumps({**config(arch), **overrides, "max_position_embeddings": 1024}))
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
