@@ -99,6 +99,8 @@ class Engine:
         task cancelled) aborts the request."""
         params = request.params
         params.check_vocab(self.vocab_size)
+        if params.embedding and self.worker.split is None:
+            raise ValueError("this model's body and output head cannot be told apart: it serves no embeddings")
         if params.stop and (self.tokenizer is None or not detokenize):
             raise ValueError("stop strings need the engine's tokenizer")
         if params.n == 1:

@@ -33,6 +33,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: Optional[List[float]] = None  # one per token in token_ids
     top_logprobs: Optional[List[List[Tuple[int, float]]]] = None
+    prompt_logprobs: Optional[List[Optional[float]]] = None  # first output only; the first token's is None
+    prompt_top_logprobs: Optional[List[Optional[List[Tuple[int, float]]]]] = None
+    embedding: Optional[List[float]] = None  # an embedding request's vector (its only output)
     index: int = 0  # which of the request's n samples
     text: str = ""  # new text (filled in by the engine facade)
     stop_reason: Optional[Union[str, int]] = None  # the stop string or token that matched
@@ -78,6 +81,10 @@ class Sequence:
     seen: Optional[mx.array] = None  # tokens seen so far (repetition penalty)
     matcher: Optional[object] = None  # grammar.Matcher of a structured-output request
     state: Optional[object] = None  # recurrent_state.RowState after its last forward; None: fresh
+    prompt_lp: List[float] = field(default_factory=list)  # logprob of prompt token i + 1 at position i
+    prompt_top: List[List[Tuple[int, float]]] = field(default_factory=list)
+    hidden_sum: Optional[mx.array] = None  # mean pooling: the sum of the prompt's final hidden states so far
+    embedding: Optional[List[float]] = None
     branch_point: int = 0  # where its prompt leaves an earlier one's cached pages: snapshot there
 
     def __post_init__(self):

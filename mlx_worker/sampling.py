@@ -2,7 +2,7 @@
 min-p, seeded Gumbel-max noise, logprobs. Greedy rows stay an exact argmax."""
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Literal, Optional, Union
 
 import mlx.core as mx
 import numpy as np
@@ -17,7 +17,7 @@ MAX_TOP_LOGPROBS = 20
 class SamplingParams(BaseModel):
     """OpenAI's sampling surface (plus vLLM's usual extras), validated."""
 
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)  # 0: score the prompt only (with prompt_logprobs)
     min_tokens: int = Field(0, ge=0)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -34,6 +34,8 @@ class SamplingParams(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # each prompt token's logprob + top k
+    embedding: Optional[Literal["last", "mean"]] = None  # the prompt's pooled, normalized final hidden state
     structured: Optional[GrammarSpec] = None  # JSON schema / JSON object / regex / choice
 
     @field_validator("stop", mode="before")
@@ -56,6 +58,8 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.max_tokens == 0 and self.prompt_logprobs is None and self.embedding is None:
+            raise ValueError("max_tokens must be at least 1 (0 only to score or embed the prompt)")
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
         if self.top_logprobs and not self.logprobs:
@@ -119,6 +123,19 @@ class SampleResult:
         return [a for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs, self.counts, self.seen) if a is not None]
 
 
+def token_logprobs(logits: mx.array, ids: mx.array, k: int):
+    """Log-probs (n,) of `ids` under `logits` (n, V), and the top k (ids, logprobs) of each row."""
+    lp = logits.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, ids[:, None], axis=-1)[:, 0]
+    if not k:
+        return chosen, None, None
+    idx = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+    vals = mx.take_along_axis(lp, idx, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return chosen, mx.take_along_axis(idx, order, axis=-1).astype(mx.int32), mx.take_along_axis(vals, order, axis=-1)
+
+
 def sample(logits: mx.array, rows: List[SamplerRow]) -> SampleResult:
     """One token per row of `logits` (R, V), all in the lazy graph (no device sync)."""
     logits = logits.astype(mx.float32)
@@ -163,15 +180,7 @@ def sample(logits: mx.array, rows: List[SamplerRow]) -> SampleResult:
     res.tokens = tokens.astype(mx.int32)
 
     if any(p.logprobs for p in ps):
-        lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-        res.logprobs = mx.take_along_axis(lp, res.tokens[:, None], axis=-1)[:, 0]
-        k = max(p.top_logprobs for p in ps)
-        if k:
-            idx = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
-            vals = mx.take_along_axis(lp, idx, axis=-1)
-            order = mx.argsort(-vals, axis=-1)
-            res.top_ids = mx.take_along_axis(idx, order, axis=-1).astype(mx.int32)
-            res.top_logprobs = mx.take_along_axis(vals, order, axis=-1)
+        res.logprobs, res.top_ids, res.top_logprobs = token_logprobs(raw, res.tokens, max(p.top_logprobs for p in ps))
 
     if res.counts is not None or res.seen is not None:
         onehot = mx.arange(V)[None] == res.tokens[:, None]

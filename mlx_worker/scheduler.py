@@ -179,6 +179,8 @@ class Scheduler:
         return length
 
     def _match_prefix(self, seq: Sequence) -> None:
+        if seq.params.prompt_logprobs is not None or seq.params.embedding == "mean":
+            return  # every prompt position's output is wanted: compute them all
         # Leave at least one token to compute: its logits give the next token.
         n_pages = (seq.num_tokens - 1) // self.page_size
         first = seq.num_preemptions == 0
@@ -237,6 +239,11 @@ class Scheduler:
         for i, (seq, tok) in enumerate(zip(plan.sampling_rows(), step.tokens)):
             if seq.status == Status.FINISHED:
                 continue  # finished while this step ran ahead: drop its extra token
+            first = len(seq.tokens) == seq.num_prompt
+            if seq.params.max_tokens == 0:  # the prompt only: its logprobs
+                self._finish(seq, "length")
+                outputs.append(self._with_prompt_logprobs(seq, self._output(seq, [], "length")))
+                continue
             seq.tokens.append(tok)
             reason, stop_reason = None, None
             if (tok in self.eos_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids:
@@ -251,12 +258,22 @@ class Scheduler:
                 self._publish(seq)
             out = self._output(seq, [tok], reason)
             out.stop_reason = stop_reason
+            if first:
+                self._with_prompt_logprobs(seq, out)
             if seq.params.logprobs and step.logprobs is not None:
                 out.logprobs = [step.logprobs[i]]
                 if seq.params.top_logprobs and step.top is not None:
                     out.top_logprobs = [step.top[i][: seq.params.top_logprobs]]
             outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _with_prompt_logprobs(seq: Sequence, out: RequestOutput) -> RequestOutput:
+        out.embedding = seq.embedding
+        if seq.params.prompt_logprobs is not None:
+            out.prompt_logprobs = [None] + seq.prompt_lp
+            out.prompt_top_logprobs = [None] + seq.prompt_top if seq.params.prompt_logprobs else None
+        return out
 
     def drain_outputs(self) -> List[RequestOutput]:
         """Outputs of requests finished while scheduling (e.g. too big for the pool)."""

@@ -2,7 +2,7 @@
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -16,7 +16,7 @@ from .output_head import split_output_head
 from .paged_cache import BatchLayout, PagedKVCache
 from .recurrent_state import RecurrentStates, RowState
 from .request import Sequence
-from .sampling import SampleResult, SamplerRow, sample
+from .sampling import SampleResult, SamplerRow, sample, token_logprobs
 from .scheduler import StepPlan
 
 
@@ -24,6 +24,8 @@ from .scheduler import StepPlan
 class InFlightStep:
     plan: StepPlan
     result: Optional[SampleResult]  # one token per sampling row, still lazy
+    prompt: List[tuple] = field(default_factory=list)  # (seq, start, logprobs, top ids, top logprobs) of prompt scoring
+    embeddings: List[tuple] = field(default_factory=list)  # (seq, vector) of embedding requests
 
 
 @dataclass
@@ -91,20 +93,24 @@ class Worker:
         for chunk in plan.prefills:
             key = (chunk.length, chunk.start if self.batching == UNIFORM else 0)
             groups.setdefault(key, []).append(chunk)
-        prefill_logits = {}
+        prefill_logits, scored, embedded = {}, [], []
         for (L, _), chunks in groups.items():
             inputs = mx.array([c.seq.tokens[c.start : c.start + L] for c in chunks])
             layout = self._layout([c.seq.pages for c in chunks], [c.start for c in chunks], L)
             out, states = self._forward(inputs, [c.seq for c in chunks], layout, body_only=bool(self.split))
             ends = {id(c): out[i : i + 1, -1, :] for i, c in enumerate(chunks) if c.samples}
-            self._dispatch(*ends.values(), *states, *self._snapshot(chunks))
+            prompt, pooled = self._score_prompt(chunks, out), self._pool(chunks, out)
+            self._dispatch(*ends.values(), *states, *self._snapshot(chunks), *(v for _, v in pooled),
+                           *(a for p in prompt for a in p[2:] if a is not None))
             prefill_logits.update(ends)
+            scored += prompt
+            embedded += pooled
         ends = [prefill_logits[id(c)] for c in plan.prefills if c.samples]
         if ends and self.split:  # hidden states of the sampled positions only
             ends = [self.split[1](mx.concatenate(ends) if len(ends) > 1 else ends[0])]
         last_logits += ends
         if not last_logits:
-            return InFlightStep(plan, None)
+            return InFlightStep(plan, None, scored, embedded)
 
         seqs = plan.sampling_rows()
         positions = [p for _, p in plan.decode] + [c.start + c.length - 1 for c in plan.prefills if c.samples]
@@ -118,7 +124,7 @@ class Worker:
             if result.seen is not None and seq.seen is not None:
                 seq.seen = result.seen[i]
         self._on_device(mx.async_eval, *result.arrays())  # reads no pool array: no fence needed
-        return InFlightStep(plan, result)
+        return InFlightStep(plan, result, scored, embedded)
 
     def _layout(self, page_tables, offsets, L: int) -> BatchLayout:
         return BatchLayout(page_tables, offsets, L, self.pool.page_size, self.batching == RAGGED_HEAD_GROUPS)
@@ -136,6 +142,37 @@ class Worker:
         for i, seq in enumerate(seqs):
             seq.state = RowState(batch, i)
         return out, RecurrentStates.arrays(batch)
+
+    def _score_prompt(self, chunks, out: mx.array) -> List[tuple]:
+        """Logprobs of the prompt tokens each chunk of a prompt-scoring request predicts
+        (position i scores token i + 1), still lazy."""
+        scored = []
+        for i, c in enumerate(chunks):
+            k = c.seq.params.prompt_logprobs
+            n = min(c.length, c.seq.num_prompt - 1 - c.start)
+            if k is None or n <= 0:
+                continue
+            logits = out[i, :n]
+            if self.split:
+                logits = self.split[1](logits)
+            ids = mx.array(c.seq.tokens[c.start + 1 : c.start + 1 + n])
+            scored.append((c.seq, c.start, *token_logprobs(logits, ids, k)))
+        return scored
+
+    def _pool(self, chunks, out: mx.array) -> List[tuple]:
+        """Embedding requests whose prompt ends in this forward: their pooled, normalized
+        final hidden state (`out` is the body's output: the model is split)."""
+        pooled = []
+        for i, c in enumerate(chunks):
+            how = c.seq.params.embedding
+            if how == "mean":
+                part = out[i, : c.length].astype(mx.float32).sum(axis=0)
+                c.seq.hidden_sum = part if c.seq.hidden_sum is None or c.start == 0 else c.seq.hidden_sum + part
+            if how is None or not c.samples:
+                continue
+            v = c.seq.hidden_sum / c.seq.num_prompt if how == "mean" else out[i, c.length - 1].astype(mx.float32)
+            pooled.append((c.seq, v / mx.maximum(mx.linalg.norm(v), 1e-12)))
+        return pooled
 
     def _snapshot(self, chunks) -> List[mx.array]:
         """Snapshot the state of rows whose chunk ends on a page boundary."""
@@ -195,6 +232,14 @@ class Worker:
         return SamplerRow(p, seq.seed, step, seq.counts, seq.seen, additive)
 
     def finalize(self, step: InFlightStep) -> StepTokens:
+        for seq, start, lp, top_ids, top_lp in step.prompt:
+            self._on_device(mx.eval, lp, *(a for a in (top_ids, top_lp) if a is not None))
+            seq.prompt_lp[start:] = lp.tolist()  # a recomputed prompt overwrites its earlier scores
+            if top_ids is not None:
+                seq.prompt_top[start:] = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_lp.tolist())]
+        for seq, vector in step.embeddings:
+            self._on_device(mx.eval, vector)
+            seq.embedding, seq.hidden_sum = vector.tolist(), None
         r = step.result
         if r is None:  # nothing sampled: nothing to wait for
             return StepTokens([])

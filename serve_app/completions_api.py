@@ -1,7 +1,7 @@
 """POST /v1/completions: one prompt (text or token ids) and the text completion built
 from the engine's outputs."""
 
-from typing import Dict, Iterable, List, Literal, Optional, Tuple, Union
+from typing import Dict, Iterable, List, Literal, NamedTuple, Optional, Tuple, Union
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -16,7 +16,7 @@ class CompletionRequest(_Request):
     prompt: Union[str, List[int]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None  # k: the sampled token's logprob plus the top k
-    echo: Optional[bool] = False
+    echo: Optional[bool] = False  # the prompt before the completion (with logprobs: the prompt's too)
     suffix: Optional[str] = None
 
     @field_validator("prompt", mode="before")
@@ -34,13 +34,6 @@ class CompletionRequest(_Request):
             raise ValueError("must not be empty")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("not supported")
-        return v
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v):
@@ -51,9 +44,22 @@ class CompletionRequest(_Request):
 
 class CompletionLogprobs(BaseModel):
     tokens: List[str]
-    token_logprobs: List[float]
-    top_logprobs: Optional[List[Dict[str, float]]] = None
+    token_logprobs: List[Optional[float]]  # an echoed prompt's first token has none
+    top_logprobs: Optional[List[Optional[Dict[str, float]]]] = None
     text_offset: List[int]
+
+    def __add__(self, other: "CompletionLogprobs") -> "CompletionLogprobs":
+        top = None if self.top_logprobs is None and other.top_logprobs is None else \
+            (self.top_logprobs or [None] * len(self.tokens)) + (other.top_logprobs or [None] * len(other.tokens))
+        return CompletionLogprobs(tokens=self.tokens + other.tokens, token_logprobs=self.token_logprobs + other.token_logprobs,
+                                  top_logprobs=top, text_offset=self.text_offset + other.text_offset)
+
+
+class Echo(NamedTuple):
+    """The prompt of an echo request: its text and token ids."""
+
+    text: str
+    ids: List[int]
 
 
 class CompletionChoice(BaseModel):
@@ -91,20 +97,39 @@ def completion_logprobs(token_ids: List[int], logprobs: Optional[List[float]],
                               text_offset=offsets)
 
 
+def _echoed(o: RequestOutput, decode: Optional[Decode], echo: Echo) -> Tuple[str, Optional[CompletionLogprobs]]:
+    """A sample's text and logprobs with its prompt (and the prompt's logprobs) before it."""
+    done = _logprobs(completion_logprobs, o, decode, len(echo.text))
+    if o.prompt_logprobs is None or decode is None:
+        return echo.text + o.text, done
+    cache: dict = {}
+    tops = o.prompt_top_logprobs
+    prompt = completion_logprobs(echo.ids, [0.0] * len(echo.ids), None, decode)
+    prompt.token_logprobs = [None if x is None else _lp(x) for x in o.prompt_logprobs]
+    if tops is not None:
+        prompt.top_logprobs = [None if row is None else {_tok(decode, cache, t)[0]: _lp(l) for t, l in row}
+                               for row in tops]
+    return echo.text + o.text, prompt + done if done is not None else prompt
+
+
 def completion(outputs: Iterable[RequestOutput], model: str, decode: Optional[Decode] = None,
-               id: Optional[str] = None, created: Optional[int] = None) -> Completion:
-    """The non-streamed text completion from all of a request's outputs."""
-    outs = merge_outputs(outputs)
-    choices = [CompletionChoice(index=o.index, text=o.text, logprobs=_logprobs(completion_logprobs, o, decode),
-                                finish_reason=finish_reason(o.finish_reason) or "stop") for o in outs]
+               id: Optional[str] = None, created: Optional[int] = None, echo: Optional[Echo] = None) -> Completion:
+    """The non-streamed text completion from all of a request's outputs (`echo`: the
+    prompt goes first)."""
+    outs, choices = merge_outputs(outputs), []
+    for o in outs:
+        text, lp = _echoed(o, decode, echo) if echo else (o.text, _logprobs(completion_logprobs, o, decode))
+        choices.append(CompletionChoice(index=o.index, text=text, logprobs=lp,
+                                        finish_reason=finish_reason(o.finish_reason) or "stop"))
     return Completion(id=id or random_id("cmpl"), created=created or _now(), model=model, choices=choices,
                       usage=usage(outs))
 
 
 def completion_chunk(out: RequestOutput, id: str, created: int, model: str, decode: Optional[Decode] = None,
-                     text_offset: int = 0) -> CompletionChunk:
-    """One streamed piece of sample `out.index`; `text_offset`: that sample's text length so far."""
-    lp = _logprobs(completion_logprobs, out, decode, text_offset)
-    choice = CompletionChoice(index=out.index, text=out.text, logprobs=lp,
+                     text_offset: int = 0, echo: Optional[Echo] = None) -> CompletionChunk:
+    """One streamed piece of sample `out.index`; `text_offset`: that sample's text length
+    so far; `echo`: the sample's first piece, with the prompt before it."""
+    text, lp = _echoed(out, decode, echo) if echo else (out.text, _logprobs(completion_logprobs, out, decode, text_offset))
+    choice = CompletionChoice(index=out.index, text=text, logprobs=lp,
                               finish_reason=finish_reason(out.finish_reason) if out.finished else None)
     return Completion(id=id, created=created, model=model, choices=[choice])

@@ -1,5 +1,6 @@
 """The ingress deployment: OpenAI HTTP API -> tokens -> a replica stream -> SSE/JSON."""
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -15,11 +16,14 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlx_worker.paging import PAGE_SIZE, page_hashes
+from mlx_worker.sampling import SamplingParams
 
 from . import anthropic_api as A
+from . import embeddings_api as E
 from . import protocol as P
 from . import responses_api as R
 from . import tools as T
+from .harmony import HarmonyParser, is_harmony
 from .output_parser import OutputParser, Parsed, starts_in_reasoning, think_format
 
 api = FastAPI(title="macfarm", description="OpenAI-compatible LLM serving on a Mac farm")
@@ -78,8 +82,10 @@ class Ingress:
         self.max_body_bytes = max(1 << 20, BODY_BYTES_PER_TOKEN * self.max_model_len)
         self.replica = replica.options(stream=True, method_name="generate")
         self.stats_handle = replica.options(method_name="stats")
-        self.call_format = T.call_format(self.tokenizer)
+        self.harmony = is_harmony(self.tokenizer)  # gpt-oss
+        self.call_format = T.HARMONY_CALLS if self.harmony else T.call_format(self.tokenizer)
         self.think = think_format(self.tokenizer)
+        self.pooling = E.pooling(local)
         self.created = int(time.time())
 
     # --- endpoints -------------------------------------------------------------------
@@ -159,7 +165,31 @@ class Ingress:
             raise P.ProtocolError("prompt is empty", "prompt")
         if max(ids) >= self.vocab_size:
             raise P.ProtocolError(f"prompt token ids must be below {self.vocab_size}", "prompt")
-        return await self._serve(body, ids, "completion")
+        echo = None
+        if body.echo:
+            echo = P.Echo(body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(ids), ids)
+        return await self._serve(body, ids, "completion", echo=echo)
+
+    @api.post("/v1/embeddings")
+    async def embeddings(self, request: Request):
+        self._auth(request)
+        body = P.parse_request(E.EmbeddingRequest, await self._body(request))
+        self._check_model(body.model)
+        prompts = [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in body.items()]
+        for ids in prompts:
+            if max(ids) >= self.vocab_size:
+                raise P.ProtocolError(f"input token ids must be below {self.vocab_size}", "input")
+            if len(ids) >= self.max_model_len:
+                raise P.ProtocolError(f"an input is {len(ids)} tokens; the model's context is {self.max_model_len}",
+                                      "input", "context_length_exceeded")
+        params = SamplingParams(max_tokens=0, embedding=self.pooling)
+
+        async def embed(ids):
+            first, stream = await self._start(P.random_id("embd"), ids, params)
+            return (await self._rest(first, stream))[-1].embedding
+
+        vectors = await asyncio.gather(*[embed(ids) for ids in prompts])
+        return E.response(vectors, self.model_name, sum(map(len, prompts)), body.encoding_format)
 
     # --- the shared path -------------------------------------------------------------
     def _auth(self, request: Request) -> None:
@@ -204,6 +234,8 @@ class Ingress:
     def _parser_factory(self, prompt_ids: List[int], tools):
         """Makes a sample's OutputParser (reasoning, content, tool calls); None when the
         model has no thinking markers and there are no tools: the text is all content."""
+        if self.harmony:
+            return HarmonyParser
         if not (self.think or tools):
             return None
         in_reasoning = starts_in_reasoning(self.tokenizer, prompt_ids)
@@ -263,22 +295,22 @@ class Ingress:
             raise P.ProtocolError(f"model {model!r} does not exist; this server serves {self.model_name!r}",
                                   "model", "model_not_found", status=404)
 
-    async def _serve(self, body, prompt_ids: List[int], kind: str, parser=None, tool_grammar=None):
+    async def _serve(self, body, prompt_ids: List[int], kind: str, parser=None, tool_grammar=None, echo=None):
         params = self._params(body, prompt_ids, "messages" if kind == "chat" else "prompt", tool_grammar)
         rid = P.random_id("chatcmpl" if kind == "chat" else "cmpl")
         first, stream = await self._start(rid, prompt_ids, params)
         decode = self._decode_token if params.logprobs else None
         if body.stream:
-            return StreamingResponse(self._sse(kind, first, stream, rid, decode, body.include_usage, parser),
+            return StreamingResponse(self._sse(kind, first, stream, rid, decode, body.include_usage, parser, echo),
                                      media_type="text/event-stream")
         outs = await self._rest(first, stream)
         if kind == "chat":
             response = P.chat_completion(outs, self.model_name, decode, id=rid, parse=_whole(parser))
         else:
-            response = P.completion(outs, self.model_name, decode, id=rid)
+            response = P.completion(outs, self.model_name, decode, id=rid, echo=echo)
         return JSONResponse(response.model_dump(mode="json"))
 
-    async def _sse(self, kind, first, stream, rid, decode, include_usage, parser=None) -> AsyncIterator[str]:
+    async def _sse(self, kind, first, stream, rid, decode, include_usage, parser=None, echo=None) -> AsyncIterator[str]:
         created, outs, started, offsets = int(time.time()), [], set(), {}
         parsers: Dict[int, OutputParser] = {}
         try:
@@ -296,8 +328,10 @@ class Ingress:
                                          parsed=parsed, first_call=before, called=bool(p and p.num_calls))
                     started.add(out.index)
                 else:
-                    chunk = P.completion_chunk(out, rid, created, self.model_name, decode, offsets.get(out.index, 0))
-                    offsets[out.index] = offsets.get(out.index, 0) + len(out.text)
+                    fresh = out.index not in offsets
+                    chunk = P.completion_chunk(out, rid, created, self.model_name, decode, offsets.get(out.index, 0),
+                                               echo if fresh else None)
+                    offsets[out.index] = offsets.get(out.index, 0) + len(chunk.choices[0].text)
                 yield f"data: {chunk.model_dump_json()}\n\n"
                 try:
                     out = await stream.__anext__()

@@ -157,6 +157,10 @@ def to_sampling_params(req: "_Request", default_max_tokens: int, max_model_len: 
             max_tokens = min(default_max_tokens, room)
     kw = {k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}
     kw["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    scoring = getattr(req, "echo", False) and req.logprobs is not None  # max_tokens 0: score the prompt only
+    if kw["max_tokens"] < (0 if scoring else 1):
+        field = rename.get("max_tokens", "max_tokens")
+        raise ProtocolError(f"{field}: Input should be greater than or equal to {0 if scoring else 1}", param=field)
     if req.top_k is not None:
         kw["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM's -1: off
     if req.seed is not None:
@@ -168,6 +172,8 @@ def to_sampling_params(req: "_Request", default_max_tokens: int, max_model_len: 
     elif req.logprobs is not None:
         kw.update(logprobs=True, top_logprobs=req.logprobs)
         rename["top_logprobs"] = "logprobs"
+        if getattr(req, "echo", False):  # the prompt's logprobs too (lm-eval's loglikelihood)
+            kw["prompt_logprobs"] = req.logprobs
     kw["structured"] = grammar_spec(req)
     if tool_grammar is not None:
         if kw["structured"] is not None:
@@ -256,7 +262,8 @@ def merge_outputs(outputs: Iterable[RequestOutput]) -> List[RequestOutput]:
         return None if all(x is None for x in xs) else [v for x in xs if x for v in x]
 
     return [replace(parts[-1], token_ids=[t for o in parts for t in o.token_ids], text="".join(o.text for o in parts),
-                    logprobs=cat([o.logprobs for o in parts]), top_logprobs=cat([o.top_logprobs for o in parts]))
+                    logprobs=cat([o.logprobs for o in parts]), top_logprobs=cat([o.top_logprobs for o in parts]),
+                    prompt_logprobs=parts[0].prompt_logprobs, prompt_top_logprobs=parts[0].prompt_top_logprobs)
             for _, parts in sorted(by.items())]
 
 

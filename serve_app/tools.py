@@ -60,6 +60,15 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+def _closed(schema: Dict[str, Any]) -> Dict[str, Any]:
+    """A forced call's arguments hold the declared parameters only, as OpenAI's strict
+    function calling has it: an object schema that does not say otherwise gets
+    additionalProperties false (else a small model may add keys until max_tokens)."""
+    if schema.get("type") == "object" and "properties" in schema and "additionalProperties" not in schema:
+        return {**schema, "additionalProperties": False}
+    return schema
+
+
 # --- the call format ---------------------------------------------------------------------
 class CallFormat:
     """Where calls start and end in generated text, and how to read one."""
@@ -78,6 +87,10 @@ def call_format(tokenizer) -> CallFormat:
                           parser is json_tools.parse_tool_call, native=True)
     return CallFormat(json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call,
                       json_between_tags=True, native=False)
+
+
+# gpt-oss (harmony): its template renders the tools; harmony.py reads the calls.
+HARMONY_CALLS = CallFormat("<|channel|>commentary to=functions.", None, None, json_between_tags=False, native=True)
 
 
 def fallback_system_prompt(tools: List[Tool]) -> str:
@@ -109,7 +122,7 @@ def call_grammar(tools: List[Tool], choice: ToolChoice, fmt: CallFormat) -> Opti
         raise ValueError("tool_choice 'required' or a named function needs a JSON tool-call format; "
                          "this model's is not one")
     chosen = [t for t in tools if choice == "required" or t.function.name == choice.function.name]
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters},
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _closed(t.function.parameters)},
               "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     newline = "\n" if fmt.native else ""  # Hermes/Qwen templates put the JSON on its own line

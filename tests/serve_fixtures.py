@@ -26,8 +26,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tiny_model_dir(tmp_path_factory, arch="llama"):
-    return save_tiny_model(arch, tmp_path_factory.mktemp(arch), tokenizer_dir=default_model_path())
+def tiny_model_dir(tmp_path_factory, arch="llama", **overrides):
+    return save_tiny_model(arch, tmp_path_factory.mktemp(arch), tokenizer_dir=default_model_path(), **overrides)
 
 
 def start_serve(num_cpus=4, **ray_kw):

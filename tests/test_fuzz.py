@@ -94,7 +94,7 @@ CASES = [
     ("prompt-batched", "POST", COMPL, {"prompt": ["a", "b"], "max_tokens": 2}, {400}),
     ("prompt-object", "POST", COMPL, {"prompt": {"text": "hi"}, "max_tokens": 2}, {400}),
     ("prompt-missing", "POST", COMPL, {"max_tokens": 2}, {400}),
-    ("echo", "POST", COMPL, {"prompt": "hi", "echo": True}, {400}),
+    ("echo-zero-tokens-no-logprobs", "POST", COMPL, {"prompt": "hi", "echo": True, "max_tokens": 0}, {400}),
     ("unknown-model", "POST", CHAT, chat(model="gpt-9"), {404}),
     ("get-chat", "GET", CHAT, None, {405}),
     ("get-completions", "GET", COMPL, None, {405}),

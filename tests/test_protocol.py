@@ -124,7 +124,6 @@ def test_missing_messages_and_bad_json():
 @pytest.mark.parametrize(
     "body, param, words",
     [
-        ({"echo": True}, "echo", "not supported"),
         ({"suffix": "tail"}, "suffix", "not supported"),
         ({"prompt": ["a", "b"]}, "prompt", "batched prompts"),
         ({"prompt": [1, "b"]}, "prompt", "token ids"),

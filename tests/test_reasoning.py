@@ -12,6 +12,7 @@ from serve_fixtures import ENGINE, run_app, serving
 from tiny_models import VOCAB, save_tiny_model
 
 from mlx_worker.gguf import default_model_path
+from serve_app.harmony import HarmonyParser, is_harmony
 from serve_app.output_parser import OutputParser, ThinkFormat
 from serve_app.tools import FunctionDef, Tool, call_format
 
@@ -29,6 +30,28 @@ def test_thinking_content_and_calls_split_whatever_the_chunking():
         assert [c.function.name for x in parsed for c in x.calls] == ["f"]
     p = OutputParser(THINK)  # the prompt left no block open: thinking starts at the marker
     assert p.whole("<think>a</think>b", "stop")[:2] == ("b", "a")
+
+
+HARMONY = ('<|channel|>analysis<|message|>The user wants weather.<|end|><|start|>assistant<|channel|>commentary '
+           'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}')
+
+
+def test_harmony_channels_map_to_reasoning_content_and_calls_whatever_the_chunking():
+    """gpt-oss: analysis -> reasoning, final -> content, commentary to=functions.X -> a call
+    (its <|call|> is a stop token, so the call ends with the text)."""
+    tok = load_tokenizer(default_model_path())._tokenizer
+    tok.add_special_tokens({"additional_special_tokens": ["<|start|>", "<|channel|>", "<|message|>", "<|end|>"]})
+    assert is_harmony(tok) and not is_harmony(load_tokenizer(default_model_path()))
+    for size in (1, 4, 9, len(HARMONY)):
+        p = HarmonyParser()
+        parsed = [p.feed(HARMONY[i:i + size]) for i in range(0, len(HARMONY), size)] + [p.finish("stop")]
+        assert "".join(x.reasoning for x in parsed) == "The user wants weather."
+        assert "".join(x.content for x in parsed) == ""
+        assert [(c.function.name, c.function.arguments) for x in parsed for c in x.calls] == \
+            [("get_weather", '{"city": "Paris"}')]
+    final = '<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>final<|message|>Sunny.'
+    assert HarmonyParser().whole(final, "stop")[:2] == ("Sunny.", "hm")
+    assert HarmonyParser().whole("no harmony here", "length")[0] == "no harmony here"
 
 
 def thinking_model_dir(path):

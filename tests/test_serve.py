@@ -85,6 +85,47 @@ def test_multi_turn_chat_on_a_hybrid_model_hits_the_cache_from_turn_2(served, tm
     assert stats["state_snapshots"] > 0 and stats["recurrent_state_bytes_per_request"] > 0
 
 
+def test_completions_echo_scores_the_prompt(served, client):
+    """lm-eval's loglikelihood request: echo, logprobs, max_tokens 0. The prompt comes
+    back with each token's logprob under the model (the first has none)."""
+    import mlx.core as mx
+
+    _, model, tok = served
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = tok.encode(prompt)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    ch = r.choices[0]
+    assert ch.text == prompt and r.usage.completion_tokens == 0
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    logits = model(mx.array([ids]))[0].astype(mx.float32)
+    want = [(logits[i] - mx.logsumexp(logits[i]))[ids[i + 1]].item() for i in range(len(ids) - 1)]
+    assert mx.allclose(mx.array(lp.token_logprobs[1:]), mx.array(want), atol=1e-3).item()
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    more = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, echo=True, temperature=0)
+    assert more.choices[0].text.startswith(prompt) and len(more.choices[0].text) > len(prompt)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, echo=True, temperature=0, stream=True) if c.choices)
+    assert streamed == more.choices[0].text
+
+
+def test_embeddings_float_and_base64(served, client):
+    import mlx.core as mx
+    import numpy as np
+
+    _, model, tok = served
+    texts = ["hello world", "a longer sentence about the sea"]
+    r = client.embeddings.create(model="tiny", input=texts)  # the SDK asks for base64 and decodes it
+    assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens == sum(len(tok.encode(t)) for t in texts)
+    for text, d in zip(texts, r.data):
+        h = model.model(mx.array([tok.encode(text)]))[0, -1].astype(mx.float32)
+        assert np.allclose(d.embedding, np.array(h / mx.linalg.norm(h)), atol=1e-4)
+    plain = client.embeddings.create(model="tiny", input=[tok.encode("hello world")], encoding_format="float")
+    assert np.allclose(plain.data[0].embedding, r.data[0].embedding, atol=1e-5)
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="tiny", input="")
+
+
 def test_completions_stream_and_not(served, client):
     _, model, tok = served
     ref = tok.decode(reference_greedy(model, tok.encode("Once upon a time"), 10), skip_special_tokens=True)

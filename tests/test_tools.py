@@ -3,15 +3,18 @@
 The tiny model shares the embedded SmolLM2's tokenizer and template, which know no
 tool-call format: the tools go into the system prompt and calls use the fallback format
 (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`). A random-weight model makes
-calls only when constrained, so `required` and named choices carry the call tests."""
+calls only when constrained, so `required` and named choices carry the call tests, also
+through LangChain and the OpenAI Agents SDK."""
 
 import json
+from typing import Literal
 
 import httpx
 import jsonschema
 import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
+from pydantic import BaseModel, Field
 from serve_fixtures import ENGINE, run_app, serving, tiny_model_dir
 
 from serve_app.output_parser import OutputParser
@@ -32,7 +35,7 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    path = str(tiny_model_dir(tmp_path_factory))
+    path = str(tiny_model_dir(tmp_path_factory, max_position_embeddings=8192))  # room for a long agent prompt
     with serving() as url:
         run_app(url, "tools", "/", model=path, model_name="tiny", engine=ENGINE, router="pow2")
         yield url
@@ -90,6 +93,23 @@ def test_a_tool_using_conversation_renders_and_answers(client):
     none = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none",
                                           temperature=0, max_tokens=8).choices[0]
     assert none.message.tool_calls is None and none.finish_reason in ("stop", "length")
+
+
+def test_an_agent_loop_reads_its_stable_prefix_from_the_cache(client):
+    """10 turns of a tool-using loop over a ~2,000-token system prompt: from turn 2 on at
+    least 90% of each prompt's tokens come from the prefix cache."""
+    system = " ".join(f"Rule {i}: answer tersely, cite tool results, never guess the weather." for i in range(150))
+    history = [{"role": "system", "content": system}, {"role": "user", "content": "Weather in Paris, then Rome?"}]
+    shares = []
+    for turn in range(10):
+        r = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="required",
+                                           temperature=0, max_tokens=64)
+        call = r.choices[0].message.tool_calls[0]
+        shares.append(r.usage.prompt_tokens_details.cached_tokens / r.usage.prompt_tokens)
+        history += [r.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"turn": turn, "temp": 20 + turn})}]
+    assert r.usage.prompt_tokens > 2000
+    assert min(shares[1:]) >= 0.9, shares
 
 
 @pytest.mark.parametrize("body, words", [
@@ -174,3 +194,54 @@ def test_a_template_with_tools_renders_them_and_its_format_is_used(native):
         [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
                               for c in m.get("tool_calls", [])]} if m.get("tool_calls") else m for m in history],
         tools=TOOLS, add_generation_prompt=True))
+
+
+# --- agent frameworks, as users point them at a local server ------------------------------
+class City(BaseModel):  # bounded fields: a random-weight model must finish within max_tokens
+    name: str = Field(max_length=8)
+    population: int = Field(ge=0, le=1000)
+
+
+def test_langchain_bind_tools_and_structured_output(base):
+    """LangChain over chat completions: a forced call, its ToolMessage back, and
+    with_structured_output (json_schema)."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """Weather in a city."""
+        return f"sunny in {city}"
+
+    llm = ChatOpenAI(base_url=f"{base}/v1", api_key="unused", model="tiny", temperature=0, max_tokens=64,
+                     max_retries=0)
+    msg = llm.bind_tools([get_weather], tool_choice="required").invoke("Weather in Paris?")
+    assert len(msg.tool_calls) == 1 and msg.tool_calls[0]["name"] == "get_weather"
+    assert msg.tool_calls[0]["args"]["city"] in ("Paris", "Rome")
+    follow = llm.bind_tools([get_weather]).invoke(
+        ["Weather in Paris?", msg, get_weather.invoke(msg.tool_calls[0])])  # the tool's ToolMessage
+    assert follow.usage_metadata["input_tokens"] > msg.usage_metadata["input_tokens"]
+    city = llm.with_structured_output(City, method="json_schema").invoke("Describe a city.")
+    assert isinstance(city, City)
+
+
+def test_openai_agents_sdk_calls_a_tool_through_the_responses_api(base):
+    """The OpenAI Agents SDK over the Responses API: the tool is called and its output ends the run."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """Weather in a city."""
+        calls.append(city)
+        return json.dumps({"city": city, "sky": "sunny"})
+
+    model = OpenAIResponsesModel(model="tiny", openai_client=AsyncOpenAI(base_url=f"{base}/v1", api_key="unused"))
+    agent = Agent(name="weather", instructions="Answer with the weather tool.", model=model, tools=[get_weather],
+                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=64),
+                  tool_use_behavior="stop_on_first_tool")
+    result = Runner.run_sync(agent, "Weather in Paris?")
+    assert len(calls) == 1 and json.loads(result.final_output) == {"city": calls[0], "sky": "sunny"}

@@ -64,7 +64,7 @@ def save_tiny_model(arch: str, path: Path, tokenizer_dir: Optional[Path] = None,
     path.mkdir(parents=True, exist_ok=True)
     model = make_tiny_model(arch, seed, **overrides)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps({**config(arch), **overrides, "max_position_embeddings": 1024}))
+    (path / "config.json").write_text(json.dumps({**config(arch), "max_position_embeddings": 1024, **overrides}))
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
