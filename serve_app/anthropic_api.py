@@ -19,7 +19,7 @@ from mlx_worker.request import RequestOutput
 
 from .chat_api import ChatCompletionRequest
 from .openai_common import merge_outputs
-from .output_parser import Parsed
+from .output_parser import CallPiece, Parsed
 from .tools import ToolCall
 
 
@@ -219,13 +219,17 @@ class StreamWriter:
         yield RawContentBlockDeltaEvent(type="content_block_delta", index=self.index,
                                         delta={"type": "text_delta", "text": text})
 
-    def tool_calls(self, calls: Sequence[ToolCall]) -> Iterator[BaseModel]:
-        for call in calls:
-            yield from self._close()
-            yield from self._open(ToolUseBlock(type="tool_use", id=call.id, name=call.function.name, input={}), "tool")
-            yield RawContentBlockDeltaEvent(type="content_block_delta", index=self.index,
-                                            delta={"type": "input_json_delta", "partial_json": call.function.arguments})
-            self.called = True
+    def tool_calls(self, pieces: Sequence[CallPiece]) -> Iterator[BaseModel]:
+        """Pieces of calls: a named piece opens a tool_use block, arguments arrive as
+        input_json_delta."""
+        for piece in pieces:
+            if piece.name is not None:
+                yield from self._close()
+                yield from self._open(ToolUseBlock(type="tool_use", id=piece.id, name=piece.name, input={}), "tool")
+                self.called = True
+            if piece.arguments:
+                yield RawContentBlockDeltaEvent(type="content_block_delta", index=self.index,
+                                                delta={"type": "input_json_delta", "partial_json": piece.arguments})
 
     def finish(self, last: RequestOutput) -> Iterator[BaseModel]:
         if self.index < 0:  # no content at all: still one (empty) text block

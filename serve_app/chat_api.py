@@ -133,8 +133,24 @@ class AssistantMessage(BaseModel):
         return d
 
 
-class ToolCallDelta(ToolCall):
+class FunctionDelta(BaseModel):
+    name: Optional[str] = None
+    arguments: str = ""
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed piece of a call: `id`, `type` and the name once, then arguments."""
+
     index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: FunctionDelta
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        d = handler(self)
+        d["function"] = {k: v for k, v in d["function"].items() if v is not None}
+        return {k: v for k, v in d.items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -216,13 +232,14 @@ def chat_completion(outputs: Iterable[RequestOutput], model: str, decode: Option
 
 
 def chat_chunk(out: RequestOutput, id: str, created: int, model: str, decode: Optional[Decode] = None,
-               first: bool = False, parsed: Optional[Parsed] = None, first_call: int = 0,
-               called: bool = False) -> ChatCompletionChunk:
+               first: bool = False, parsed: Optional[Parsed] = None, called: bool = False) -> ChatCompletionChunk:
     """One streamed piece of sample `out.index`; `first` adds role "assistant" to the delta.
-    `parsed` splits the piece into content, reasoning and completed calls (numbered from
-    `first_call`); `called`: the sample has made a call (its finish reason is then "tool_calls")."""
+    `parsed` splits the piece into content, reasoning and pieces of calls; `called`: the
+    sample has made a call (its finish reason is then "tool_calls")."""
     p = parsed if parsed is not None else Parsed(out.text)
-    calls = [ToolCallDelta(index=first_call + i, **c.model_dump()) for i, c in enumerate(p.calls)]
+    calls = [ToolCallDelta(index=c.index, id=c.id, type="function" if c.name else None,
+                           function=FunctionDelta(name=c.name, arguments=c.arguments))
+             for c in p.pieces if c.name or c.arguments]
     delta = Delta(role="assistant" if first else None, content=p.content if p.content or first else None,
                   reasoning_content=p.reasoning or None, tool_calls=calls or None)
     reason = finish_reason(out.finish_reason) if out.finished else None

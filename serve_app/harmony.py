@@ -12,7 +12,7 @@ import re
 import uuid
 from typing import Optional
 
-from .output_parser import Parsed
+from .output_parser import CallPiece, Parsed
 from .tools import FunctionCall, ToolCall
 
 MESSAGE, ENDS = "<|message|>", ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
@@ -106,4 +106,5 @@ class HarmonyParser:
         self.num_calls += 1
         call = ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
                         function=FunctionCall(name=function, arguments=self.call_args.strip() or "{}"))
-        return Parsed(calls=(call,))
+        piece = CallPiece(self.num_calls - 1, call.id, function, call.function.arguments, done=True)
+        return Parsed(calls=(call,), pieces=(piece,))

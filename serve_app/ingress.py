@@ -322,10 +322,8 @@ class Ingress:
                 outs.append(out)
                 if kind == "chat":
                     p = parsers.setdefault(out.index, parser()) if parser else None
-                    before = p.num_calls if p else 0
-                    parsed = _piece(p, out)
                     chunk = P.chat_chunk(out, rid, created, self.model_name, decode, first=out.index not in started,
-                                         parsed=parsed, first_call=before, called=bool(p and p.num_calls))
+                                         parsed=_piece(p, out), called=bool(p and p.num_calls))
                     started.add(out.index)
                 else:
                     fresh = out.index not in offsets
@@ -377,7 +375,7 @@ class Ingress:
                 if isinstance(piece, P.ProtocolError):
                     yield f"event: error\ndata: {json.dumps(A.error_body(piece.status, piece.message))}\n\n"
                     return
-                events = [*writer.thinking(piece.reasoning), *writer.text(piece.content), *writer.tool_calls(piece.calls)]
+                events = [*writer.thinking(piece.reasoning), *writer.text(piece.content), *writer.tool_calls(piece.pieces)]
                 for event in events + (list(writer.finish(out)) if out.finished else []):
                     yield A.sse(event)
         finally:
@@ -392,7 +390,7 @@ class Ingress:
                 if isinstance(piece, P.ProtocolError):
                     yield f"event: error\ndata: {json.dumps({'type': 'error', **piece.body()['error']})}\n\n"
                     return
-                events = [*writer.reasoning(piece.reasoning), *writer.message(piece.content), *writer.calls(piece.calls)]
+                events = [*writer.reasoning(piece.reasoning), *writer.message(piece.content), *writer.calls(piece.pieces)]
                 for event in events + (list(writer.finish(out)) if out.finished else []):
                     yield R.sse(event)
         finally:

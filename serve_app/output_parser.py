@@ -8,6 +8,7 @@ is held back until it is known not to be, so markup never reaches the content.
 
 import json
 import logging
+import re
 import uuid
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -18,13 +19,31 @@ from .tools import CallFormat, FunctionCall, Tool, ToolCall
 log = logging.getLogger(__name__)
 
 
+class CallPiece(NamedTuple):
+    """A piece of a tool call as it streams: the first names it (`id`, `name`), later ones
+    add `arguments` text, the last is `done`. Joined, a call's pieces equal its ToolCall."""
+
+    index: int
+    id: Optional[str] = None
+    name: Optional[str] = None
+    arguments: str = ""
+    done: bool = False
+
+
 class Parsed(NamedTuple):
     content: str = ""
     reasoning: str = ""
-    calls: Tuple[ToolCall, ...] = ()
+    calls: Tuple[ToolCall, ...] = ()  # completed calls
+    pieces: Tuple[CallPiece, ...] = ()  # the same calls as they stream
 
     def __add__(self, other: "Parsed") -> "Parsed":
-        return Parsed(self.content + other.content, self.reasoning + other.reasoning, self.calls + other.calls)
+        return Parsed(self.content + other.content, self.reasoning + other.reasoning, self.calls + other.calls,
+                      self.pieces + other.pieces)
+
+
+# A JSON call's head, up to where its arguments begin: {"name": "...", "arguments":
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_TAIL = re.compile(r"[\s}]*$")  # may close the call's object: held back until the call ends
 
 
 class ThinkFormat(NamedTuple):
@@ -65,6 +84,7 @@ class OutputParser:
         self._state = TextStateMachine(transitions or None).make_state("reasoning" if in_reasoning and think
                                                                        else "normal")
         self._call_text: Optional[str] = None  # inside a call: its text so far
+        self._streamed: Optional[Tuple[str, str, int]] = None  # the open call's (id, name, argument chars sent)
         self.num_calls = 0
 
     def feed(self, text: str) -> Parsed:
@@ -82,24 +102,60 @@ class OutputParser:
             (self._state, state), rest = TextStateMachine.discard(self._state), ""
         parsed = self._collect([(state, rest)])
         if self._call_text is not None:
-            parsed += Parsed(calls=tuple(self._parse(self._call_text)))
-            self._call_text = None
+            parsed += self._end_call()
         return parsed
 
     def whole(self, text: str, reason: Optional[str]) -> Parsed:
         return self.feed(text) + self.finish(reason)
 
     def _collect(self, segments) -> Parsed:
-        content, reasoning, calls = [], [], []
+        content, reasoning, calls = [], [], Parsed()
         for state, text in segments:
             if state == "tool":
                 self._call_text = (self._call_text or "") + text
+                calls += self._stream_call()
                 continue
             if self._call_text is not None:  # a call just ended
-                calls += self._parse(self._call_text)
-                self._call_text = None
+                calls += self._end_call()
             (reasoning if state == "reasoning" else content).append(text)
-        return Parsed("".join(content), "".join(reasoning), tuple(calls))
+        return Parsed("".join(content), "".join(reasoning)) + calls
+
+    def _stream_call(self) -> Parsed:
+        """The open call's new pieces: its name once its JSON head is complete, then its
+        arguments as they come (JSON formats; any other is sent whole when it ends)."""
+        if not self.fmt.json_between_tags:
+            return Parsed()
+        head = _HEAD.match(self._call_text)
+        if head is None:
+            return Parsed()
+        pieces = []
+        if self._streamed is None:
+            self._streamed = (f"call_{uuid.uuid4().hex[:24]}", json.loads(f'"{head.group(1)}"'), 0)
+            pieces.append(CallPiece(self.num_calls, self._streamed[0], self._streamed[1]))
+        cid, name, sent = self._streamed
+        args = self._call_text[head.end():]
+        ready = len(args) - len(_TAIL.search(args).group())
+        if ready > sent:
+            pieces.append(CallPiece(self.num_calls, arguments=args[sent:ready]))
+            self._streamed = (cid, name, ready)
+        return Parsed(pieces=tuple(pieces))
+
+    def _end_call(self) -> Parsed:
+        text, streamed = self._call_text, self._streamed
+        self._call_text, self._streamed = None, None
+        calls = self._parse(text)
+        if streamed is not None and len(calls) == 1:  # the raw arguments as streamed (they parse)
+            cid, name, sent = streamed
+            args = text[_HEAD.match(text).end():].rstrip()
+            args = args[:-1].rstrip() if args.endswith("}") else args
+            calls[0] = ToolCall(id=cid, function=FunctionCall(name=name, arguments=args))
+            piece = CallPiece(self.num_calls - 1, arguments=args[sent:], done=True)
+            return Parsed(calls=(calls[0],), pieces=(piece,))
+        # Not streamed (another format, or a call that did not parse): each call in one piece.
+        first = self.num_calls - len(calls)
+        return Parsed(calls=tuple(calls), pieces=tuple(CallPiece(first + i, c.id, c.function.name,
+                                                                 c.function.arguments, True)
+                                                       for i, c in enumerate(calls)))
 
     def _parse(self, text: str) -> List[ToolCall]:
         try:

@@ -28,7 +28,7 @@ from mlx_worker.request import RequestOutput
 
 from .chat_api import ChatCompletionRequest
 from .openai_common import merge_outputs
-from .output_parser import Parsed
+from .output_parser import CallPiece, Parsed
 from .tools import ToolCall
 
 
@@ -250,20 +250,23 @@ class StreamWriter:
         yield self._ev(ResponseTextDeltaEvent, type="response.output_text.delta", item_id=self.item_id,
                        output_index=self.index, content_index=0, delta=text, logprobs=[])
 
-    def calls(self, calls: Sequence[ToolCall]) -> Iterator[BaseModel]:
-        for call in calls:
-            yield from self._close()
-            item = _call(call, "in_progress")
-            yield self._ev(ResponseOutputItemAddedEvent, type="response.output_item.added", output_index=self.index,
-                           item=item.model_copy(update={"arguments": ""}))
-            yield self._ev(ResponseFunctionCallArgumentsDeltaEvent, type="response.function_call_arguments.delta",
-                           item_id=item.id, output_index=self.index, delta=call.function.arguments)
-            yield self._ev(ResponseFunctionCallArgumentsDoneEvent, type="response.function_call_arguments.done",
-                           item_id=item.id, output_index=self.index, arguments=call.function.arguments)
-            done = item.model_copy(update={"status": "completed"})
-            yield self._ev(ResponseOutputItemDoneEvent, type="response.output_item.done", output_index=self.index,
-                           item=done)
-            self.builder.output.append(done)
+    def calls(self, pieces: Sequence[CallPiece]) -> Iterator[BaseModel]:
+        """Pieces of calls: a named piece adds a function_call item, arguments arrive as
+        function_call_arguments deltas, the last piece closes the item."""
+        for piece in pieces:
+            if piece.name is not None:
+                yield from self._close()
+                self.open, self.item_id, self.text = "call", new_id("fc"), ""
+                self.call = ResponseFunctionToolCall(type="function_call", id=self.item_id, call_id=piece.id,
+                                                     name=piece.name, arguments="", status="in_progress")
+                yield self._ev(ResponseOutputItemAddedEvent, type="response.output_item.added",
+                               output_index=self.index, item=self.call)
+            if piece.arguments:
+                self.text += piece.arguments
+                yield self._ev(ResponseFunctionCallArgumentsDeltaEvent, type="response.function_call_arguments.delta",
+                               item_id=self.item_id, output_index=self.index, delta=piece.arguments)
+            if piece.done:
+                yield from self._close()
 
     def finish(self, last: RequestOutput) -> Iterator[BaseModel]:
         if not self.builder.output and self.open is None:  # no output at all: still one (empty) message
@@ -294,6 +297,10 @@ class StreamWriter:
                            output_index=self.index, content_index=0, part=part)
             item = ResponseOutputMessage(type="message", id=self.item_id, role="assistant", status="completed",
                                          content=[part])
+        elif self.open == "call":
+            yield self._ev(ResponseFunctionCallArgumentsDoneEvent, type="response.function_call_arguments.done",
+                           item_id=self.item_id, output_index=self.index, arguments=self.text)
+            item = self.call.model_copy(update={"arguments": self.text, "status": "completed"})
         elif self.open == "reasoning":
             item = ResponseReasoningItem(type="reasoning", id=self.item_id, summary=[], status="completed",
                                          content=[ReasoningText(type="reasoning_text", text=self.text)])

@@ -140,6 +140,19 @@ def test_markup_never_leaks_into_content_whatever_the_chunking():
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
 
 
+def test_call_arguments_stream_in_pieces_that_join_to_the_call():
+    fmt = call_format(object())
+    text = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC", "n": [1, 2]}}</tool_call>'
+    p = OutputParser(None, fmt, [Tool(type="function", function=FunctionDef(name="get_time"))])
+    parsed = [p.feed(text[i:i + 3]) for i in range(0, len(text), 3)] + [p.finish("stop")]
+    pieces = [c for x in parsed for c in x.pieces]
+    calls = [c for x in parsed for c in x.calls]
+    assert pieces[0].name == "get_time" and pieces[0].id == calls[0].id and pieces[-1].done
+    assert len([c for c in pieces if c.arguments]) > 3  # streamed as generated, not at the end
+    assert "".join(c.arguments for c in pieces) == calls[0].function.arguments
+    assert json.loads(calls[0].function.arguments) == {"zone": "UTC", "n": [1, 2]}
+
+
 # A Hermes/Qwen-style template: mlx-lm's TokenizerWrapper then knows the format (json_tools).
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
