@@ -61,13 +61,16 @@ class DecodeKV:
         """Read the rows this step moves (src -> dst slot) and the pool history of the rows
         that join (into the `joins` slots); `update` writes them. Returns what to evaluate."""
         self._edits, arrays = [], []
+        if moves:
+            dst, src = (mx.array(np.array(x, np.int32)) for x in zip(*moves))
+        if joins:
+            join_slots = mx.array(np.array(joins, np.int32))
         for layer in range(len(self.keys)):
             e = []
             if moves:
-                dst, src = (mx.array(np.array(x, np.int32)) for x in zip(*moves))
                 e.append((dst, self.keys[layer][src], self.values[layer][src]))
             if joins:
-                e.append((mx.array(np.array(joins, np.int32)), *self.pool.read(layer, join_layout.table)))
+                e.append((join_slots, *self.pool.read(layer, join_layout.table)))
             self._edits.append(e)
             arrays += [a for _, k, v in e for a in (k, v)]
         return arrays

@@ -255,13 +255,14 @@ class Engine:
             self._apply_commands(block=idle)
             t = time.perf_counter()
             wait = self.worker.device_s
-            plan = None
+            plan, launched = None, False
             try:
                 if inflight and self.scheduler.needs_sync():
                     self._finish_step(inflight.popleft())
                 plan = self.scheduler.schedule()
                 if plan:
                     inflight.append(self.worker.launch(plan))
+                    launched = True
                     self.num_steps += 1
                 self._deliver(self.scheduler.drain_outputs())
                 if inflight and (len(inflight) > 1 or not plan or not self.config.overlap):
@@ -271,10 +272,24 @@ class Engine:
                 failures += 1
                 if failures >= MAX_CONSECUTIVE_FAILURES:
                     raise  # not one bad batch: the device or the model is broken
-                self._fail_steps([s.plan for s in inflight] + ([plan] if plan else []), e)
-                inflight.clear()
+                self._recover(inflight, plan if plan and not launched else None, e)
             if plan:
                 self._host_s += time.perf_counter() - t - (self.worker.device_s - wait)
+
+    def _recover(self, inflight: deque, unlaunched: Optional[StepPlan], error: Exception) -> None:
+        """After a step failed: when it failed while being built, the steps already in
+        flight may be sound, so they are finished first (their tokens reach their requests);
+        then the failed step's requests, and any step that cannot finish, fail."""
+        plans = [unlaunched] if unlaunched else []
+        if unlaunched:
+            try:
+                while inflight:
+                    self._finish_step(inflight[0])
+                    inflight.popleft()
+            except Exception:  # noqa: BLE001 - they fail with the rest
+                pass
+        self._fail_steps(plans + [s.plan for s in inflight], error)
+        inflight.clear()
 
     def _fail_steps(self, plans: List[StepPlan], error: Exception) -> None:
         """End every request of `plans` with an error and forget the prefix cache's free
@@ -302,13 +317,13 @@ class Engine:
         return self._grammars
 
     def _apply_commands(self, block: bool) -> None:
-        outputs = []
+        outputs, applied = [], 0
         while True:
             try:
-                cmd, arg = self._commands.get(block=block)
+                cmd, arg = self._commands.get(block=block and not applied)
             except queue.Empty:
                 break
-            block = False
+            applied += 1
             if cmd == "add":
                 seq = Sequence.from_request(arg[0], self.config.page_size)
                 seq.matcher = arg[1]
@@ -319,7 +334,8 @@ class Engine:
                 out = None
             if out is not None:
                 outputs.append(out)
-        self._publish_stats()
+        if applied:  # the figures changed
+            self._publish_stats()
         self._deliver(outputs)
 
     def _deliver(self, outputs: List[RequestOutput]) -> None:
