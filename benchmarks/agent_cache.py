@@ -12,18 +12,15 @@ Prints, per turn, the prompt tokens and how many came from the prefix cache
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import anthropic
 import openai
-import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_fixtures import free_port, serve_run  # noqa: E402
+from served_load import deployed_app  # noqa: E402  (benchmarks/served_load.py)
 
 SYSTEM = " ".join(f"Rule {i}: answer tersely, cite the tool's result, never guess the weather." for i in range(140))
 WEATHER = {"name": "get_weather", "description": "Weather in a city.",
@@ -78,15 +75,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--turns", type=int, default=10)
     a = ap.parse_args()
-    cfg = yaml.safe_load((ROOT / "deploy" / "app.yaml").read_text())
-    port = free_port()
-    cfg["http_options"] = {**cfg["http_options"], "host": "127.0.0.1", "port": port}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "app.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        with serve_run(path, port, ROOT) as base:
-            report("OpenAI chat completions", openai_loop(base, a.turns))
-            report("Anthropic Messages", anthropic_loop(base, a.turns))
+    with deployed_app() as base:
+        report("OpenAI chat completions", openai_loop(base, a.turns))
+        report("Anthropic Messages", anthropic_loop(base, a.turns))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the engine's counters.
 """
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -31,12 +32,10 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--loops", type=int, default=64)
-    ap.add_argument("--seconds", type=float, default=300)
-    ap.add_argument("--timeout", type=float, default=600, help="a request slower than this counts as failed")
-    a = ap.parse_args()
+@contextlib.contextmanager
+def deployed_app():
+    """`serve run deploy/app.yaml` as shipped, only its HTTP port moved to a free one on
+    loopback; yields the base URL."""
     cfg = yaml.safe_load((ROOT / "deploy" / "app.yaml").read_text())
     port = free_port()
     cfg["http_options"] = {**cfg["http_options"], "host": "127.0.0.1", "port": port}
@@ -44,9 +43,19 @@ def main():
         path = Path(tmp) / "app.yaml"
         path.write_text(yaml.safe_dump(cfg))
         with serve_run(path, port, ROOT) as base:
-            httpx.get(f"{base}/v1/stats", timeout=60)
-            res = run_load(base, a.loops, a.seconds, a.timeout)
-            st = httpx.get(f"{base}/v1/stats", timeout=60).json()["replica"]
+            yield base
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--loops", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=300)
+    ap.add_argument("--timeout", type=float, default=600, help="a request slower than this counts as failed")
+    a = ap.parse_args()
+    with deployed_app() as base:
+        httpx.get(f"{base}/v1/stats", timeout=60)
+        res = run_load(base, a.loops, a.seconds, a.timeout)
+        st = httpx.get(f"{base}/v1/stats", timeout=60).json()["replica"]
     lat, sl = res.latencies, res.stats_latencies
     print(f"\n## deploy/app.yaml, {a.loops} client loops for {a.seconds:.0f} s")
     print(f"requests completed {len(lat)}, failed {len(res.errors)}; output tokens {res.output_tokens}")

@@ -201,6 +201,10 @@ class StreamWriter:
                                                       cache_creation_input_tokens=0))
         yield RawMessageStartEvent(type="message_start", message=msg)
 
+    def events(self, piece: Parsed) -> List[BaseModel]:
+        """The events of one parsed piece of the sample."""
+        return [*self.thinking(piece.reasoning), *self.text(piece.content), *self.tool_calls(piece.pieces)]
+
     def thinking(self, text: str) -> Iterator[BaseModel]:
         if not text:
             return
@@ -250,6 +254,10 @@ class StreamWriter:
         if self.open is not None:
             self.open = None
             yield RawContentBlockStopEvent(type="content_block_stop", index=self.index)
+
+
+def error_event(status: int, message: str) -> str:
+    return f"event: error\ndata: {json.dumps(error_body(status, message))}\n\n"
 
 
 def sse(event: BaseModel) -> str:

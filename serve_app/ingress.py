@@ -115,36 +115,21 @@ class Ingress:
     @api.post("/v1/messages")
     async def messages(self, request: Request):
         """Anthropic's Messages API, served through the chat path."""
-        self._auth(request)
-        body = P.parse_request(A.MessagesRequest, await self._body(request))
-        self._check_model(body.model)
-        chat = self._as_chat(body)
-        prompt_ids, parser, grammar = self._chat_prompt(chat)
-        params = self._params(chat, prompt_ids, "messages", grammar)
-        rid = P.random_id("msg")
-        first, stream = await self._start(rid, prompt_ids, params)
+        body, rid, parser, first, stream = await self._mapped(request, A.MessagesRequest, "messages", P.random_id("msg"))
         if body.stream:
-            return StreamingResponse(self._anthropic_sse(first, stream, rid, parser), media_type="text/event-stream")
-        outs = await self._rest(first, stream)
-        message = A.message(outs, self.model_name, rid, _whole(parser))
+            writer = A.StreamWriter(self.model_name, rid)
+            return StreamingResponse(self._writer_sse(first, stream, parser, writer, A), media_type="text/event-stream")
+        message = A.message(await self._rest(first, stream), self.model_name, rid, _whole(parser))
         return JSONResponse(message.model_dump(mode="json", exclude_unset=True))
 
     @api.post("/v1/responses")
     async def responses(self, request: Request):
         """OpenAI's Responses API, served through the chat path."""
-        self._auth(request)
-        body = P.parse_request(R.ResponsesRequest, await self._body(request))
-        self._check_model(body.model)
-        chat = self._as_chat(body)
-        prompt_ids, parser, grammar = self._chat_prompt(chat)
-        params = self._params(chat, prompt_ids, "input", grammar)
-        rid = R.new_id("resp")
-        first, stream = await self._start(rid, prompt_ids, params)
+        body, rid, parser, first, stream = await self._mapped(request, R.ResponsesRequest, "input", R.new_id("resp"))
         if body.stream:
-            return StreamingResponse(self._responses_sse(body, first, stream, rid, parser),
-                                     media_type="text/event-stream")
-        outs = await self._rest(first, stream)
-        response = R.response(body, outs, self.model_name, rid, _whole(parser))
+            writer = R.StreamWriter(body, self.model_name, rid)
+            return StreamingResponse(self._writer_sse(first, stream, parser, writer, R), media_type="text/event-stream")
+        response = R.response(body, await self._rest(first, stream), self.model_name, rid, _whole(parser))
         return JSONResponse(response.model_dump(mode="json", exclude_none=True))
 
     @api.post("/v1/messages/count_tokens")
@@ -197,6 +182,17 @@ class Ingress:
         if key and request.headers.get("authorization", "") != f"Bearer {key}" \
                 and request.headers.get("x-api-key") != key:
             raise P.ProtocolError("invalid API key", code="invalid_api_key", status=401)
+
+    async def _mapped(self, request: Request, cls, field: str, rid: str):
+        """Start a request of an API that maps onto chat (Anthropic's, Responses): the
+        parsed body, its id, its output parser, and its first output and stream."""
+        self._auth(request)
+        body = P.parse_request(cls, await self._body(request))
+        self._check_model(body.model)
+        chat = self._as_chat(body)
+        prompt_ids, parser, grammar = self._chat_prompt(chat)
+        first, stream = await self._start(rid, prompt_ids, self._params(chat, prompt_ids, field, grammar))
+        return body, rid, parser, first, stream
 
     @staticmethod
     def _as_chat(body) -> "P.ChatCompletionRequest":
@@ -366,33 +362,18 @@ class Ingress:
                 yield None, _replica_failed(e)
                 return
 
-    async def _anthropic_sse(self, first, stream, rid, parser) -> AsyncIterator[str]:
-        writer = A.StreamWriter(self.model_name, rid)
+    async def _writer_sse(self, first, stream, parser, writer, module) -> AsyncIterator[str]:
+        """One sample's stream through an API's event writer (`module`: anthropic_api or
+        responses_api: its StreamWriter's events, `sse` and `error_event`)."""
         try:
             for event in writer.start(first):
-                yield A.sse(event)
+                yield module.sse(event)
             async for out, piece in self._pieces(first, stream, parser):
                 if isinstance(piece, P.ProtocolError):
-                    yield f"event: error\ndata: {json.dumps(A.error_body(piece.status, piece.message))}\n\n"
+                    yield module.error_event(piece.status, piece.message)
                     return
-                events = [*writer.thinking(piece.reasoning), *writer.text(piece.content), *writer.tool_calls(piece.pieces)]
-                for event in events + (list(writer.finish(out)) if out.finished else []):
-                    yield A.sse(event)
-        finally:
-            stream.cancel()
-
-    async def _responses_sse(self, body, first, stream, rid, parser) -> AsyncIterator[str]:
-        writer = R.StreamWriter(body, self.model_name, rid)
-        try:
-            for event in writer.start():
-                yield R.sse(event)
-            async for out, piece in self._pieces(first, stream, parser):
-                if isinstance(piece, P.ProtocolError):
-                    yield f"event: error\ndata: {json.dumps({'type': 'error', **piece.body()['error']})}\n\n"
-                    return
-                events = [*writer.reasoning(piece.reasoning), *writer.message(piece.content), *writer.calls(piece.pieces)]
-                for event in events + (list(writer.finish(out)) if out.finished else []):
-                    yield R.sse(event)
+                for event in writer.events(piece) + (list(writer.finish(out)) if out.finished else []):
+                    yield module.sse(event)
         finally:
             stream.cancel()
 

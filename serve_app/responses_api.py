@@ -223,7 +223,11 @@ class StreamWriter:
     def index(self) -> int:
         return len(self.builder.output)
 
-    def start(self) -> Iterator[BaseModel]:
+    def events(self, piece: Parsed) -> List[BaseModel]:
+        """The events of one parsed piece of the sample."""
+        return [*self.reasoning(piece.reasoning), *self.message(piece.content), *self.calls(piece.pieces)]
+
+    def start(self, first: Optional[RequestOutput] = None) -> Iterator[BaseModel]:
         r = self.builder.response()
         yield self._ev(ResponseCreatedEvent, type="response.created", response=r)
         yield self._ev(ResponseInProgressEvent, type="response.in_progress", response=r)
@@ -310,6 +314,11 @@ class StreamWriter:
                        item=item)
         self.builder.output.append(item)
         self.open = None
+
+
+def error_event(status: int, message: str) -> str:
+    error = {"type": "error", "code": "engine_error" if status >= 500 else "invalid_request", "message": message}
+    return f"event: error\ndata: {json.dumps(error)}\n\n"
 
 
 def sse(event: BaseModel) -> str:
