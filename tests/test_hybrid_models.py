@@ -99,6 +99,29 @@ def test_preemption_and_resume(model):
     eng.shutdown()
 
 
+def test_abort_mid_decode_on_a_hybrid_model():
+    """A request aborted while others decode beside it: its pages and state go, the others'
+    tokens still equal mlx-lm's, and the next request runs."""
+    model = make_tiny_model("qwen3_next")
+    eng = Engine(EngineConfig(max_total_tokens=4096), model=model)
+    ps = prompts(3, 10, 40, seed=13)
+
+    async def main():
+        async def aborted():
+            req = Request(rid="gone", prompt_ids=ps[0], params=SamplingParams(max_tokens=200, ignore_eos=True))
+            async for _ in eng.generate(req):
+                break  # its first tokens are out: closing the stream aborts it
+        kept = [collect(eng, Request(rid=f"k{i}", prompt_ids=p, params=SamplingParams(
+            max_tokens=12, ignore_eos=True, temperature=0.0))) for i, p in enumerate(ps[1:])]
+        return (await asyncio.gather(aborted(), *kept))[1:]
+
+    for p, (toks, _) in zip(ps[1:], asyncio.run(main())):
+        assert toks == reference_greedy(model, p, 12)
+    check(model, eng, [ps[0]], 6)
+    assert eng.stats()["kv_pages_used"] == 0 and eng.stats()["running"] == 0
+    eng.shutdown()
+
+
 def test_samples_seeds_and_structured_output_on_a_hybrid_model():
     """n > 1, seeded sampling and a JSON schema on qwen3_next: the n greedy samples equal
     mlx-lm's, a seed gives the same tokens alone and beside other requests, and the
