@@ -13,7 +13,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from .kv_pool import KVPool
 from .model_caches import CacheTree
-from .paged_cache import BatchLayout, PagedKVCache
+from .paged_cache import BatchLayout, forward_caches
 from .recurrent_state import RecurrentStates, RowState
 
 RAGGED, RAGGED_HEAD_GROUPS, UNIFORM = "ragged", "ragged_head_groups", "uniform_offsets"
@@ -44,8 +44,7 @@ def _ragged_last_tokens(model, tree: CacheTree, head_groups: bool):
     def forward(tokens, page_tables, offsets, rows):
         layout = BatchLayout(page_tables, offsets, len(tokens[0]), P, head_groups)
         state_caches = states.caches(rows)
-        caches = tree.build(lambda i: PagedKVCache(pool, i, layout), lambda j: state_caches[j])
-        logits = model(mx.array(tokens), cache=caches)
+        logits = model(mx.array(tokens), cache=forward_caches(tree, pool, layout, state_caches))
         out = RecurrentStates.collect(state_caches)
         mx.eval(logits, pool.arrays(), RecurrentStates.arrays(out))
         return logits, out

@@ -9,6 +9,7 @@ and `CacheList` composes several for one layer. `CacheTree.build` makes, for one
 the same nesting the model's `make_cache` returns, with the engine's caches as leaves.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
@@ -35,13 +36,7 @@ class StateSpec:
 
     @property
     def nbytes(self) -> int:
-        total = 0
-        for shape, dtype in zip(self.shapes, self.dtypes):
-            n = dtype.size
-            for d in shape:
-                n *= d
-            total += n
-        return total
+        return sum(math.prod(shape) * dtype.size for shape, dtype in zip(self.shapes, self.dtypes))
 
 
 @dataclass

@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 
 from .kv_pool import KVPool
+from .model_caches import CacheTree
 
 
 class BatchLayout:
@@ -133,3 +134,9 @@ class PagedKVCache:
 
     def empty(self) -> bool:
         return False
+
+
+def forward_caches(tree: CacheTree, pool: KVPool, layout: BatchLayout, state_caches: list, staged=None) -> list:
+    """The cache list for one forward, nested as the model's `make_cache` nests it: paged
+    KV for attention layers, `state_caches` (recurrent_state.py) for recurrent ones."""
+    return tree.build(lambda i: PagedKVCache(pool, i, layout, staged), lambda j: state_caches[j])

@@ -242,7 +242,7 @@ class Scheduler:
             first = len(seq.tokens) == seq.num_prompt
             if seq.params.max_tokens == 0:  # the prompt only: its logprobs
                 self._finish(seq, "length")
-                outputs.append(self._with_prompt_logprobs(seq, self._output(seq, [], "length")))
+                outputs.append(self._with_prompt_outputs(seq, self._output(seq, [], "length")))
                 continue
             seq.tokens.append(tok)
             reason, stop_reason = None, None
@@ -259,7 +259,7 @@ class Scheduler:
             out = self._output(seq, [tok], reason)
             out.stop_reason = stop_reason
             if first:
-                self._with_prompt_logprobs(seq, out)
+                self._with_prompt_outputs(seq, out)
             if seq.params.logprobs and step.logprobs is not None:
                 out.logprobs = [step.logprobs[i]]
                 if seq.params.top_logprobs and step.top is not None:
@@ -268,7 +268,9 @@ class Scheduler:
         return outputs
 
     @staticmethod
-    def _with_prompt_logprobs(seq: Sequence, out: RequestOutput) -> RequestOutput:
+    def _with_prompt_outputs(seq: Sequence, out: RequestOutput) -> RequestOutput:
+        """A sequence's first output carries what was computed on its prompt: an
+        embedding, prompt logprobs."""
         out.embedding = seq.embedding
         if seq.params.prompt_logprobs is not None:
             out.prompt_logprobs = [None] + seq.prompt_lp

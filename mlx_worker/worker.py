@@ -13,7 +13,7 @@ from .decode_kv import DecodeStaging
 from .kv_pool import KVPool
 from .model_caches import CacheTree
 from .output_head import split_output_head
-from .paged_cache import BatchLayout, PagedKVCache
+from .paged_cache import BatchLayout, forward_caches
 from .recurrent_state import RecurrentStates, RowState
 from .request import Sequence
 from .sampling import SampleResult, SamplerRow, sample, token_logprobs
@@ -134,7 +134,7 @@ class Worker:
         """One forward of `seqs`' rows: its logits (hidden states if `body_only`) and
         the recurrent states it leaves in the sequences (still lazy)."""
         state_caches = self.states.caches([s.state for s in seqs]) if self.states else []
-        caches = self.tree.build(lambda i: PagedKVCache(self.pool, i, layout, staged), lambda j: state_caches[j])
+        caches = forward_caches(self.tree, self.pool, layout, state_caches, staged)
         out = self.split[0](inputs, caches) if body_only else self.model(inputs, cache=caches)
         if not state_caches:
             return out, []
@@ -232,13 +232,14 @@ class Worker:
         return SamplerRow(p, seq.seed, step, seq.counts, seq.seen, additive)
 
     def finalize(self, step: InFlightStep) -> StepTokens:
+        if step.prompt or step.embeddings:  # one wait for all of them
+            self._on_device(mx.eval, *(a for p in step.prompt for a in p[2:] if a is not None),
+                            *(v for _, v in step.embeddings))
         for seq, start, lp, top_ids, top_lp in step.prompt:
-            self._on_device(mx.eval, lp, *(a for a in (top_ids, top_lp) if a is not None))
             seq.prompt_lp[start:] = lp.tolist()  # a recomputed prompt overwrites its earlier scores
             if top_ids is not None:
                 seq.prompt_top[start:] = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_lp.tolist())]
         for seq, vector in step.embeddings:
-            self._on_device(mx.eval, vector)
             seq.embedding, seq.hidden_sum = vector.tolist(), None
         r = step.result
         if r is None:  # nothing sampled: nothing to wait for

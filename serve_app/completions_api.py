@@ -81,20 +81,22 @@ class Completion(BaseModel):
 CompletionChunk = Completion  # OpenAI streams text completions as the same object
 
 
-def completion_logprobs(token_ids: List[int], logprobs: Optional[List[float]],
-                        top_logprobs: Optional[List[List[Tuple[int, float]]]], decode: Decode,
+def completion_logprobs(token_ids: List[int], logprobs: Optional[List[Optional[float]]],
+                        top_logprobs: Optional[List[Optional[List[Tuple[int, float]]]]], decode: Decode,
                         text_offset: int = 0) -> CompletionLogprobs:
     """Legacy `logprobs` (tokens, token_logprobs, top_logprobs, text_offset); `text_offset`
-    is where these tokens' text starts (the length of the text before them)."""
+    is where these tokens' text starts (the length of the text before them). A None entry
+    (an echoed prompt's first token) stays None."""
     cache: dict = {}
     tokens = [_tok(decode, cache, t)[0] for t in token_ids[: len(logprobs or [])]]
     offsets = []
     for s in tokens:
         offsets.append(text_offset)
         text_offset += len(s)
-    tops = [{_tok(decode, cache, t)[0]: _lp(l) for t, l in row} for row in top_logprobs] if top_logprobs else None
-    return CompletionLogprobs(tokens=tokens, token_logprobs=[_lp(x) for x in logprobs or []], top_logprobs=tops,
-                              text_offset=offsets)
+    tops = [None if row is None else {_tok(decode, cache, t)[0]: _lp(l) for t, l in row}
+            for row in top_logprobs] if top_logprobs else None
+    return CompletionLogprobs(tokens=tokens, token_logprobs=[None if x is None else _lp(x) for x in logprobs or []],
+                              top_logprobs=tops, text_offset=offsets)
 
 
 def _echoed(o: RequestOutput, decode: Optional[Decode], echo: Echo) -> Tuple[str, Optional[CompletionLogprobs]]:
@@ -102,13 +104,7 @@ def _echoed(o: RequestOutput, decode: Optional[Decode], echo: Echo) -> Tuple[str
     done = _logprobs(completion_logprobs, o, decode, len(echo.text))
     if o.prompt_logprobs is None or decode is None:
         return echo.text + o.text, done
-    cache: dict = {}
-    tops = o.prompt_top_logprobs
-    prompt = completion_logprobs(echo.ids, [0.0] * len(echo.ids), None, decode)
-    prompt.token_logprobs = [None if x is None else _lp(x) for x in o.prompt_logprobs]
-    if tops is not None:
-        prompt.top_logprobs = [None if row is None else {_tok(decode, cache, t)[0]: _lp(l) for t, l in row}
-                               for row in tops]
+    prompt = completion_logprobs(echo.ids, o.prompt_logprobs, o.prompt_top_logprobs, decode)
     return echo.text + o.text, prompt + done if done is not None else prompt
 
 
