@@ -37,7 +37,7 @@ class EngineConfig(BaseModel):
     kv_memory_fraction: float = Field(0.25, gt=0, le=0.95)
     max_running_requests: int = Field(64, ge=1)
     max_batched_tokens: int = Field(2048, ge=1)  # tokens per step: decode rows + prefill chunks
-    decode_staging_fraction: float = Field(0.25, ge=0)  # dense decode-batch KV, x the KV memory budget (decode_kv.py)
+    decode_staging_fraction: float = Field(0.5, ge=0)  # dense decode-batch KV, x the KV memory budget (decode_kv.py)
     state_snapshot_fraction: float = Field(0.1, ge=0)  # recurrent-state snapshots (prefix cache of hybrid models), x the same
     batching: Literal["auto", "ragged", "ragged_head_groups", "uniform_offsets"] = "auto"  # auto: probed at load (batch_probe.py)
     overlap: bool = True  # False: finish each step before scheduling the next (debugging)
