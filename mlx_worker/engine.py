@@ -2,6 +2,7 @@
 
 import asyncio
 import atexit
+import contextlib
 import os
 import queue
 import threading
@@ -17,9 +18,10 @@ from pydantic import BaseModel, Field
 from .activations import activation_budget
 from .batch_probe import probe_batching
 from .kv_pool import KVPool, kv_bytes_per_token, kv_budget, pool_pages
-from .loader import load_model
+from .loader import load_model, load_sharded
 from .model_caches import probe_caches
 from .page_manager import PageManager
+from .ranks import BACKENDS, RankLost, Ranks
 from .paging import PAGE_SIZE
 from .detokenizer import IncrementalDetokenizer
 from .grammar import GrammarCompiler
@@ -41,28 +43,44 @@ class EngineConfig(BaseModel):
     state_snapshot_fraction: float = Field(0.1, ge=0)  # recurrent-state snapshots (prefix cache of hybrid models), x the same
     batching: Literal["auto", "ragged", "ragged_head_groups", "uniform_offsets"] = "auto"  # auto: probed at load (batch_probe.py)
     overlap: bool = True  # False: finish each step before scheduling the next (debugging)
+    tensor_parallel_size: int = Field(1, ge=1)  # ranks (Macs) one engine spans, each with a slice of every layer
+    pipeline_parallel_size: int = Field(1, ge=1)  # or: ranks each with a run of whole layers (ranks.py)
+    distributed_backend: Literal[BACKENDS] = "ring"  # ring: TCP over Ethernet or Thunderbolt IP; jaccl: RDMA
 
 
 class Engine:
     """Serve many requests on one model: `async for out in engine.generate(req)`.
 
     All device work runs on the engine thread; callers' event loops only await queues.
+    With `ranks` (tensor parallel) every rank constructs one; only the leader's takes
+    requests, the others replay its schedule on their shard (ranks.py).
     """
 
-    def __init__(self, config: Optional[EngineConfig] = None, model=None, tokenizer=None):
+    def __init__(self, config: Optional[EngineConfig] = None, model=None, tokenizer=None,
+                 ranks: Optional[Ranks] = None):
         self.config = config = config or EngineConfig()
+        size = config.tensor_parallel_size * config.pipeline_parallel_size
+        if size > max(config.tensor_parallel_size, config.pipeline_parallel_size):
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size cannot both be above 1 (yet)")
+        if size != (ranks.size if ranks else 1):
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {size} needs a group of as many ranks")
+        self.ranks = ranks
         if model is None:
-            model, tokenizer = load_model(config.model, config.dtype)
+            model, tokenizer = (load_sharded(config.model, config.dtype, ranks.group, config.pipeline_parallel_size > 1)
+                                if ranks else load_model(config.model, config.dtype))
         self.model, self.tokenizer = model, tokenizer
         tree = probe_caches(model)
         self.vocab_size = tree.vocab
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-        budget = kv_budget(weights, config.kv_memory_fraction)
+        budget = ranks.min(kv_budget(weights, config.kv_memory_fraction)) if ranks else \
+            kv_budget(weights, config.kv_memory_fraction)
         # Recurrent state: the running sequences' (twice: overlapped steps) and snapshots.
         snapshot_bytes = int(config.state_snapshot_fraction * budget) if tree.states else 0
         self.state_budget_bytes = 2 * config.max_running_requests * tree.state_bytes + snapshot_bytes
         num_pages = pool_pages(tree.kv, tree.kv_dtype, config.page_size, weights, config.kv_memory_fraction,
                                config.max_total_tokens, reserved_bytes=self.state_budget_bytes)
+        if ranks:  # every rank schedules alike only with the same pool
+            num_pages = ranks.min(num_pages)
         self.pool = KVPool(tree.kv, tree.kv_dtype, num_pages, config.page_size)
         self.pages = PageManager(num_pages, config.page_size)
         self.snapshots = StateSnapshots(tree.state_bytes, snapshot_bytes) if tree.states else None
@@ -89,6 +107,8 @@ class Engine:
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._thread.start()
+        if ranks:
+            threading.Thread(target=self._watch_group, name="mlx-group-watch", daemon=True).start()
         _live_engines.add(self)
 
     # --- public API ----------------------------------------------------------------
@@ -97,6 +117,8 @@ class Engine:
         the engine has a tokenizer. With n > 1 the samples (`out.index`) interleave; the
         stream ends when all have finished. Closing the iterator early (client gone,
         task cancelled) aborts the request."""
+        if self.ranks and not self.ranks.leader:
+            raise RuntimeError("a follower rank takes no requests: send them to rank 0")
         params = request.params
         params.check_vocab(self.vocab_size)
         if params.embedding and self.worker.split is None:
@@ -218,6 +240,7 @@ class Engine:
             "host_ms_per_step": 1e3 * self._host_s / steps,
             "device_ms_per_step": 1e3 * worker.device_s / steps,
             "cached_page_hashes": hashes,
+            "ranks": self.ranks.size if self.ranks else 1,  # Macs this engine spans
             "batching": self.batching,
             "recurrent_state_bytes_per_request": self.state_bytes_per_request,
             "state_snapshots": len(snaps) if snaps else 0,
@@ -231,10 +254,17 @@ class Engine:
         """Why the engine loop died, or None while it runs."""
         return self._error
 
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait for the engine loop to end (a follower rank's ends when the leader stops)."""
+        self._thread.join(timeout)
+
     def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(("stop", None))
-        self._thread.join(timeout=30)
+        if self.ranks and not self.ranks.leader:
+            self.ranks.channel.close()  # unblocks the loop's wait for the leader
+        # A loop blocked on a lost rank's collective never ends: do not wait for it.
+        self._thread.join(timeout=1 if isinstance(self._error, RankLost) else 30)
         _wait_os_thread_gone(self._thread)
 
     # --- engine thread -----------------------------------------------------------------
@@ -242,10 +272,36 @@ class Engine:
         try:
             self._loop()
         except BaseException as e:  # surface to every waiting caller, never hang them
-            self._error = e
-            for loop, sink in list(self._sinks.values()):
-                loop.call_soon_threadsafe(sink.put_nowait, e)
+            if isinstance(e, RankLost) and self._stop.is_set():
+                return  # this follower's own shutdown closed the channel
+            self._fail_all(e)
             raise
+        finally:
+            if self.ranks:
+                self._leave_group()
+
+    def _fail_all(self, error: BaseException) -> None:
+        """The engine cannot go on: every waiting caller gets `error`, later ones too."""
+        self._error = error
+        for loop, sink in list(self._sinks.values()):
+            with contextlib.suppress(RuntimeError):  # that caller's event loop is closed
+                loop.call_soon_threadsafe(sink.put_nowait, error)
+
+    def _watch_group(self) -> None:
+        """A rank that dies mid-step leaves the others blocked in a collective that MLX
+        never ends, so the loop cannot notice: this thread does, from the side channel."""
+        while not self._stop.wait(GROUP_WATCH_S):
+            if self._error is None and self.ranks.channel.peer_gone():
+                self._fail_all(RankLost(RANK_LOST))
+                return
+
+    def _leave_group(self) -> None:
+        """The leader tells the followers' engines to stop (the group may serve a next one)."""
+        if self.ranks.leader:
+            try:
+                self.ranks.channel.send([("stop", None)])
+            except Exception:  # noqa: BLE001 - a follower already gone
+                pass
 
     def _loop(self) -> None:
         inflight: deque = deque()
@@ -269,6 +325,8 @@ class Engine:
                     self._finish_step(inflight.popleft())
                 failures = 0
             except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+                if self.ranks and self.ranks.channel.peer_gone():
+                    raise RankLost(RANK_LOST) from e
                 failures += 1
                 if failures >= MAX_CONSECUTIVE_FAILURES:
                     raise  # not one bad batch: the device or the model is broken
@@ -317,26 +375,51 @@ class Engine:
         return self._grammars
 
     def _apply_commands(self, block: bool) -> None:
-        outputs, applied = [], 0
+        """Take in what callers sent (requests, aborts); a follower rank takes what the
+        leader took in on the same iteration, which the leader sends it here."""
+        if self.ranks and not self.ranks.leader:
+            return self._replay_commands()
+        outputs, applied, taken = [], [], 0
         while True:
             try:
-                cmd, arg = self._commands.get(block=block and not applied)
+                cmd, arg = self._commands.get(block=block and not taken)
             except queue.Empty:
                 break
-            applied += 1
+            taken += 1
+            out = None
             if cmd == "add":
                 seq = Sequence.from_request(arg[0], self.config.page_size)
                 seq.matcher = arg[1]
                 out = self.scheduler.add(seq)
+                arg = (arg[0], seq.seed)
             elif cmd == "abort":
                 out = self.scheduler.abort(arg)
-            else:
-                out = None
+            if cmd != "stop":  # followers get theirs when the loop ends (_leave_group)
+                applied.append((cmd, arg))
             if out is not None:
                 outputs.append(out)
-        if applied:  # the figures changed
+        if self.ranks:
+            self.ranks.channel.send(applied)
+        if taken:  # the figures changed
             self._publish_stats()
         self._deliver(outputs)
+
+    def _replay_commands(self) -> None:
+        applied = self.ranks.channel.recv()
+        for cmd, arg in applied:
+            if cmd == "add":
+                request, seed = arg
+                seq = Sequence.from_request(request, self.config.page_size)
+                seq.seed = seed
+                if request.params.structured is not None:
+                    seq.matcher = self._grammar_compiler().compile(request.params.structured).new_matcher()
+                self.scheduler.add(seq)
+            elif cmd == "abort":
+                self.scheduler.abort(arg)
+            elif cmd == "stop":
+                self._stop.set()
+        if applied:
+            self._publish_stats()
 
     def _deliver(self, outputs: List[RequestOutput]) -> None:
         by_loop: Dict[asyncio.AbstractEventLoop, list] = {}
@@ -349,6 +432,8 @@ class Engine:
 
 
 MAX_CONSECUTIVE_FAILURES = 3  # then the loop dies and the replica reports itself unhealthy
+RANK_LOST = "a rank of this engine's group is gone: the group must restart"
+GROUP_WATCH_S = 0.5  # how often a rank checks that the others are still there
 HASHES_PERIOD_S = 0.25  # cached page hashes are re-listed at most this often while busy
 
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()

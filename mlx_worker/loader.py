@@ -43,3 +43,25 @@ def load_model(spec: Optional[str] = None, dtype: str = "auto") -> Tuple[nn.Modu
     model = apply_dtype(model, dtype)
     mx.eval(model.parameters())
     return model, tokenizer
+
+
+def load_sharded(spec: Optional[str], dtype: str, group: mx.distributed.Group,
+                 pipeline: bool = False) -> Tuple[nn.Module, object]:
+    """(model, tokenizer) with only this rank's shard of the weights in memory: loaded
+    lazily, cast, then split by mlx-lm's own `model.shard(group)` (tensor parallel: a
+    slice of every layer) or `model.model.pipeline(group)` (a run of whole layers)."""
+    model, tokenizer = mlx_load(resolve_model(spec), lazy=True)
+    name = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
+    if pipeline and not hasattr(getattr(model, "model", None), "pipeline"):
+        raise ValueError(f"{name} has no pipeline-parallel support in mlx-lm (no model.pipeline): "
+                         f"use tensor_parallel_size, or 1")
+    if not pipeline and not hasattr(model, "shard"):
+        raise ValueError(f"{name} has no tensor-parallel support in mlx-lm (no Model.shard): "
+                         f"use pipeline_parallel_size, or 1")
+    model = apply_dtype(model, dtype)
+    try:
+        model.model.pipeline(group) if pipeline else model.shard(group)
+    except Exception as e:  # noqa: BLE001 - e.g. heads that do not divide by the group size
+        raise ValueError(f"{name} cannot be split over {group.size()} ranks: {e}") from e
+    mx.eval(model.parameters())
+    return model, tokenizer

@@ -62,6 +62,9 @@ class Worker:
         self.batching = batching
         self.staging = DecodeStaging(pool, 0 if batching == UNIFORM else staging_bytes)
         self.split = split_output_head(model)  # None: full logits, then slice
+        # A pipeline stage sends its hidden states on inside the forward: a chunk that
+        # samples nothing must still be run to its end, or the next stage waits forever.
+        self.pipelined = getattr(getattr(model, "model", None), "pipeline_size", 1) > 1
         self.pool = pool
         self.vocab = vocab_size
         self.stop_ids = list(stop_ids)
@@ -101,7 +104,7 @@ class Worker:
             ends = {id(c): out[i : i + 1, -1, :] for i, c in enumerate(chunks) if c.samples}
             prompt, pooled = self._score_prompt(chunks, out), self._pool(chunks, out)
             self._dispatch(*ends.values(), *states, *self._snapshot(chunks), *(v for _, v in pooled),
-                           *(a for p in prompt for a in p[2:] if a is not None))
+                           *(a for p in prompt for a in p[2:] if a is not None), *([out[:, -1]] if self.pipelined else []))
             prefill_logits.update(ends)
             scored += prompt
             embedded += pooled

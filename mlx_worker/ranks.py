@@ -1,0 +1,180 @@
+"""One engine over several processes (one per Mac): tensor- or pipeline-parallel ranks.
+
+Every rank loads only its shard of the model (mlx-lm's `model.shard(group)`: a slice of
+every layer; or `model.model.pipeline(group)`: a run of whole layers) and runs the same
+engine loop; the forwards' collectives go over mx.distributed (`ring` over TCP, or
+`jaccl` over Thunderbolt RDMA). Rank 0 (the leader) owns the requests. The other ranks
+(followers) replay its schedule: the scheduler, page manager and prefix cache are
+deterministic, so a follower needs only what the leader's loop took in on each
+iteration (requests added, with their sampling seeds, and aborts), which the leader
+sends over a TCP side channel before it builds that iteration's step. Sampling needs no
+exchange: after the forward's last collective the logits are the same on every rank,
+and a sample is a function of (logits, seed, step).
+"""
+
+import json
+import os
+import pickle
+import select
+import socket
+import struct
+import tempfile
+import time
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+BACKENDS = ("ring", "jaccl")
+CONNECT_TIMEOUT_S = 120.0
+
+
+class RankLost(RuntimeError):
+    """A rank of the group went away: the group cannot run another step."""
+
+
+def init_group(rank: int, hosts: Sequence[str], backend: str = "ring") -> mx.distributed.Group:
+    """Join the group of len(hosts) ranks. `hosts` are "ip:port" listen addresses, one per
+    rank (ring), in rank order. Blocks until every rank has joined."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "ring":
+        fd, path = tempfile.mkstemp(prefix="macfarm-hosts-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([[h] for h in hosts], f)
+        os.environ["MLX_HOSTFILE"] = path
+    os.environ["MLX_RANK"] = str(rank)
+    if not mx.distributed.is_available(backend):
+        raise RuntimeError(f"mx.distributed backend {backend!r} is not available on this machine")
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except Exception as e:  # noqa: BLE001 - say which group could not start
+        raise RuntimeError(f"rank {rank} could not join the {backend} group {list(hosts)}: {e}") from e
+    if group.size() != len(hosts):
+        raise RuntimeError(f"joined a group of {group.size()} ranks, expected {len(hosts)}")
+    return group
+
+
+def group_min(group: Optional[mx.distributed.Group], value: int) -> int:
+    """The smallest `value` over the group's ranks (every rank must call it)."""
+    if group is None or group.size() == 1:
+        return value
+    values = mx.distributed.all_gather(mx.array([value], mx.int64), group=group, stream=mx.cpu)
+    return int(values.min().item())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class CommandChannel:
+    """The leader's per-iteration message to its followers: a length-prefixed pickle."""
+
+    def __init__(self, socks: List[socket.socket]):
+        self.socks = socks
+        self.num_sent, self.send_s = 0, 0.0  # messages sent and the time it took (the per-step cost)
+        for s in socks:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    @classmethod
+    def listen(cls, port: int, followers: int, timeout: float = CONNECT_TIMEOUT_S) -> "CommandChannel":
+        """Leader: accept `followers` connections on `port`."""
+        server = socket.create_server(("", port))
+        server.settimeout(timeout)
+        try:
+            socks = [server.accept()[0] for _ in range(followers)]
+        except socket.timeout as e:
+            raise RuntimeError(f"followers did not connect to port {port} within {timeout:.0f} s") from e
+        finally:
+            server.close()
+        for s in socks:
+            s.settimeout(None)
+        return cls(socks)
+
+    @classmethod
+    def connect(cls, address: str, timeout: float = CONNECT_TIMEOUT_S) -> "CommandChannel":
+        """Follower: connect to the leader's "ip:port", retrying until it listens."""
+        host, port = address.rsplit(":", 1)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return cls([socket.create_connection((host, int(port)), timeout=5)])
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"could not reach the leader at {address}")
+                time.sleep(0.1)
+
+    def send(self, commands: list) -> None:
+        t = time.perf_counter()
+        data = pickle.dumps(commands, protocol=pickle.HIGHEST_PROTOCOL)
+        message = struct.pack("!I", len(data)) + data
+        for s in self.socks:
+            try:
+                s.sendall(message)
+            except OSError as e:
+                raise RankLost(f"a follower rank is gone ({e})") from e
+        self.num_sent += 1
+        self.send_s += time.perf_counter() - t
+
+    def peer_gone(self) -> bool:
+        """Whether a peer closed its end (followers never send: readable means closed)."""
+        readable, _, _ = select.select(self.socks, [], [], 0)
+        for s in readable:
+            try:
+                if not s.recv(1, socket.MSG_PEEK):
+                    return True
+            except OSError:
+                return True
+        return False
+
+    def recv(self) -> list:
+        s = self.socks[0]
+        s.settimeout(None)
+        (n,) = struct.unpack("!I", self._read(s, 4))
+        return pickle.loads(self._read(s, n))
+
+    @staticmethod
+    def _read(s: socket.socket, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = s.recv(n - len(buf))
+            if not chunk:
+                raise RankLost("the leader rank is gone")
+            buf += chunk
+        return bytes(buf)
+
+    def close(self) -> None:
+        for s in self.socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+            except OSError:
+                pass
+            s.close()
+
+
+class Ranks:
+    """This process's place in an engine's group: `group` for the model's collectives,
+    `channel` for the leader's commands."""
+
+    def __init__(self, group: mx.distributed.Group, channel: CommandChannel):
+        self.group, self.channel = group, channel
+        self.rank, self.size = group.rank(), group.size()
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def min(self, value: int) -> int:
+        return group_min(self.group, value)
+
+
+def start_ranks(rank: int, hosts: Sequence[str], leader_address: str, backend: str = "ring") -> Ranks:
+    """Join the group (`hosts`: each rank's "ip:port" for the backend) and the leader's
+    command channel (`leader_address`: "ip:port" the leader listens on)."""
+    group = init_group(rank, hosts, backend)
+    if rank == 0:
+        channel = CommandChannel.listen(int(leader_address.rsplit(":", 1)[1]), group.size() - 1)
+    else:
+        channel = CommandChannel.connect(leader_address)
+    return Ranks(group, channel)

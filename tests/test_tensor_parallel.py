@@ -1,0 +1,168 @@
+"""Tensor and pipeline parallel over mx.distributed: two ranks (processes) on loopback
+with MLX's `ring` backend serve a tiny model split by mlx-lm's own `model.shard` (llama)
+or `model.model.pipeline` (qwen3_next: a hybrid). Rank 0 takes the requests; rank 1
+replays its schedule. Tokens equal mlx-lm's on the whole model (greedy)
+and the single-rank engine's (seeded sampling, JSON schema), under batching, chunked
+prefill, prefix hits and preemption; a rank that dies fails the requests in flight."""
+
+import asyncio
+import multiprocessing as mp
+import os
+import random
+import time
+
+import pytest
+from conftest import default_tokenizer, reference_greedy, run_requests
+from tiny_models import make_tiny_model
+
+from mlx_worker import Engine, EngineConfig, Request, SamplingParams
+from mlx_worker.grammar import GrammarSpec
+from mlx_worker.loader import load_sharded
+from mlx_worker.ranks import free_port
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+SAMPLED = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=5, n=2)
+STRUCTURED = SamplingParams(max_tokens=16, temperature=0.0, structured=GrammarSpec(json_schema=SCHEMA))
+
+
+def prompts(n, lo, hi, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+BATCH = prompts(6, 3, 70, seed=1) + prompts(1, 90, 91, seed=2)  # the last one is chunked (32-token steps)
+SHARED = prompts(1, 70, 71, seed=3)[0]
+PREEMPT = prompts(4, 30, 40, seed=4)
+
+
+def _collect(engine, rid, prompt, params):
+    async def main():
+        toks, last = {}, None
+        async for out in engine.generate(Request(rid=rid, prompt_ids=prompt, params=params)):
+            toks.setdefault(out.index, []).extend(out.token_ids)
+            last = out
+        return toks, last.num_cached_tokens
+
+    return asyncio.run(main())
+
+
+def _scenarios(engine_for, rank):
+    """Every rank builds the same engines in the same order; rank 0 sends requests."""
+    results = {}
+    engine = engine_for(max_total_tokens=4096, max_batched_tokens=32)
+    if rank == 0:
+        results["batch"] = [toks for toks, _ in run_requests(engine, BATCH, 12)]
+        results["hit"] = [_collect(engine, f"h{i}", SHARED + tail, SamplingParams(max_tokens=8, temperature=0.0))
+                          for i, tail in enumerate(([7, 8, 9], [11, 12]))]
+        results["sampled"] = _collect(engine, "s", BATCH[0], SAMPLED)[0]
+        results["structured"] = _collect(engine, "j", BATCH[1], STRUCTURED)[0]
+        engine.shutdown()
+    engine.join(60)
+    engine = engine_for(max_total_tokens=96, max_batched_tokens=64, page_size=16)  # 6 pages: preemption
+    if rank == 0:
+        results["preempt"] = [toks for toks, _ in run_requests(engine, PREEMPT, 16)]
+        results["preemptions"] = engine.stats()["preemptions"]
+        engine.shutdown()
+    engine.join(60)
+    return results
+
+
+def _rank_main(rank, hosts, leader, task, arch, split, queue):
+    import mlx_worker  # noqa: F401  (OpenBLAS before mlx)
+    from mlx_worker.ranks import start_ranks
+
+    try:
+        ranks = start_ranks(rank, hosts, leader)
+        model = make_tiny_model(arch)
+        model.model.pipeline(ranks.group) if split == "pipeline" else model.shard(ranks.group)
+        tokenizer = default_tokenizer()
+
+        def engine_for(**kw):
+            return Engine(EngineConfig(**{f"{split}_parallel_size": len(hosts)}, **kw), model=model,
+                          tokenizer=tokenizer, ranks=ranks)
+
+        if task == "scenarios":
+            result = _scenarios(engine_for, rank)
+        else:  # "kill": rank 1 dies while rank 0 decodes
+            engine = engine_for(max_total_tokens=4096)
+            if rank == 1:
+                time.sleep(1.0)
+                os._exit(1)
+            t = time.perf_counter()
+            try:
+                _collect(engine, "long", list(range(100, 150)), SamplingParams(max_tokens=100000, ignore_eos=True))
+                result = ("finished", None, None)
+            except RuntimeError as e:
+                result = ("failed", repr(e.__cause__), time.perf_counter() - t)
+            queue.put((rank, result))
+            queue.close()
+            queue.join_thread()
+            os._exit(0)  # its engine thread waits on the dead rank forever: the group must restart
+        queue.put((rank, result))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        queue.put((rank, e))
+        raise
+
+
+def run_ranks(task, arch="llama", split="tensor", size=2, timeout=240):
+    """Rank 0's result of `task` run by `size` ranks on loopback."""
+    hosts = [f"127.0.0.1:{free_port()}" for _ in range(size)]
+    leader = f"127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, hosts, leader, task, arch, split, queue), daemon=True) for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        results = {}
+        deadline = time.monotonic() + timeout
+        while 0 not in results:
+            rank, result = queue.get(timeout=max(1, deadline - time.monotonic()))
+            if isinstance(result, BaseException):
+                raise AssertionError(f"rank {rank} failed") from result
+            results[rank] = result
+        return results[0]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.parametrize("arch, split", [("llama", "tensor"), ("qwen3_next", "pipeline")])
+def test_two_ranks_equal_the_single_rank_engine(arch, split):
+    model = make_tiny_model(arch)
+    got = run_ranks("scenarios", arch, split)
+    tokenizer = default_tokenizer()
+    for prompt, toks in zip(BATCH, got["batch"]):
+        assert toks == reference_greedy(model, prompt, 12)
+    (first, cached0), (second, cached1) = got["hit"]
+    assert first[0] == reference_greedy(model, SHARED + [7, 8, 9], 8)
+    assert second[0] == reference_greedy(model, SHARED + [11, 12], 8)
+    assert (cached0, cached1) == (0, 64)  # 4 whole pages of the shared 70 tokens
+    single = Engine(EngineConfig(max_total_tokens=4096, max_batched_tokens=32), model=model, tokenizer=tokenizer)
+    assert got["sampled"] == _collect(single, "s", BATCH[0], SAMPLED)[0]
+    assert got["sampled"][0] != got["sampled"][1]  # n=2 really sampled
+    assert got["structured"] == _collect(single, "j", BATCH[1], STRUCTURED)[0]
+    single.shutdown()
+    assert got["preemptions"] > 0
+    for prompt, toks in zip(PREEMPT, got["preempt"]):
+        assert toks == reference_greedy(model, prompt, 16)
+
+
+def test_a_dead_rank_fails_the_requests_in_flight():
+    outcome, cause, seconds = run_ranks("kill")
+    assert outcome == "failed"
+    assert "RankLost" in cause and "the group must restart" in cause
+    assert seconds < 30
+
+
+def test_a_model_without_tensor_parallel_support_is_refused(tmp_path):
+    import mlx.core as mx
+    from tiny_models import save_tiny_model
+
+    from mlx_worker.gguf import default_model_path
+
+    path = save_tiny_model("gpt_bigcode", tmp_path / "m", tokenizer_dir=default_model_path())
+    with pytest.raises(ValueError, match="gpt_bigcode has no tensor-parallel support"):
+        load_sharded(str(path), "float32", mx.distributed.init())
