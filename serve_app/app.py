@@ -10,6 +10,7 @@ from ray import serve
 from mlx_worker.paging import PAGE_SIZE
 
 from .ingress import Ingress
+from .rank_group import group_bundles
 from .replica import MLXReplica
 
 
@@ -35,9 +36,10 @@ def _replica_options(args: AppArgs) -> Dict[str, Any]:
     resource = args.replica_resource
     if resource == "auto":
         resource = "mac" if resources.get("mac") else None
+    ranks = int(args.engine.get("tensor_parallel_size", 1)) * int(args.engine.get("pipeline_parallel_size", 1))
     n = args.num_replicas
-    if n == "auto":
-        n = int(resources.get(resource, 1)) if resource else 1
+    if n == "auto":  # one replica per group of `ranks` Macs
+        n = max(1, int(resources.get(resource, 1)) // ranks) if resource else 1
     actor = {"num_cpus": 1}
     if resource:
         actor["resources"] = {resource: 1}
@@ -46,9 +48,12 @@ def _replica_options(args: AppArgs) -> Dict[str, Any]:
         ray_actor_options=actor,
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
-        health_check_period_s=5,
+        health_check_period_s=2,  # a dead replica (or a rank of its group) is restarted within ~6 s
         graceful_shutdown_timeout_s=30,
     )
+    if ranks > 1:  # rank 0 (the replica) in bundle 0, each other rank on a Mac of its own
+        opts["placement_group_bundles"] = group_bundles(ranks, resource)
+        opts["placement_group_strategy"] = "STRICT_SPREAD" if resource else "PACK"
     if args.router == "prefix":
         opts["request_router_config"] = {
             "request_router_class": "serve_app.router:PrefixAffinityRouter",

@@ -9,6 +9,8 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 
+from .rank_group import RankGroup
+
 
 REPORT_ALL_PAGES = 4096
 
@@ -77,7 +79,13 @@ class EngineReplica:
     """
 
     def __init__(self, engine_config: Dict[str, Any]):
-        self.engine = Engine(EngineConfig(**engine_config))
+        config = EngineConfig(**engine_config)
+        self.group = None
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:  # rank 0 of a group of Macs
+            self.group = RankGroup(config)
+            self.engine = self.group.engine(config)
+        else:
+            self.engine = Engine(config)
         self.engine_id = uuid.uuid4().hex[:12]  # changes when the replica restarts
         self.metrics = ReplicaMetrics()
 
@@ -158,9 +166,11 @@ class EngineReplica:
             "cached_page_hashes": hashes,
         }
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         if self.engine.error is not None:
             raise RuntimeError(f"engine loop died: {self.engine.error!r}")
+        if self.group is not None:  # a follower gone: Serve restarts the whole group
+            await self.group.check()
 
     def __del__(self):
         engine: Optional[Engine] = getattr(self, "engine", None)
