@@ -49,3 +49,14 @@ def test_leading_space_of_a_continuation_is_kept(tok):
     ids = tok.encode(" hello there", add_special_tokens=False)
     d = IncrementalDetokenizer(tok, prompt)
     assert "".join(d.add([i]) for i in ids) + d.flush() == " hello there"
+
+
+def test_the_rust_decoder_gives_what_the_tokenizer_gives(tok):
+    from mlx_worker.detokenizer import _decoder
+
+    fast = _decoder(tok)
+    assert fast.__name__ == "rust_decode"  # the default tokenizer takes the fast path
+    ids = tok.encode(TEXT + "<|im_end|> and <|im_start|>assistant more", add_special_tokens=False)
+    for i in range(len(ids)):
+        for j in range(i + 1, min(len(ids), i + 6) + 1):
+            assert fast(ids[i:j]) == tok.decode(ids[i:j], skip_special_tokens=True)
