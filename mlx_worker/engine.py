@@ -46,6 +46,7 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)  # ranks (Macs) one engine spans, each with a slice of every layer
     pipeline_parallel_size: int = Field(1, ge=1)  # or: ranks each with a run of whole layers (ranks.py)
     distributed_backend: Literal[BACKENDS] = "ring"  # ring: TCP over Ethernet or Thunderbolt IP; jaccl: RDMA
+    rdma_devices: Optional[List[List[Optional[str]]]] = None  # jaccl: rank i's RDMA device to rank j (ranks.py)
 
 
 class Engine:

@@ -32,19 +32,26 @@ class RankLost(RuntimeError):
     """A rank of the group went away: the group cannot run another step."""
 
 
-def init_group(rank: int, hosts: Sequence[str], backend: str = "ring") -> mx.distributed.Group:
-    """Join the group of len(hosts) ranks. `hosts` are "ip:port" listen addresses, one per
-    rank (ring), in rank order. Blocks until every rank has joined."""
+def init_group(rank: int, hosts: Sequence[str], backend: str = "ring",
+               rdma_devices: Optional[List[List[Optional[str]]]] = None) -> mx.distributed.Group:
+    """Join the group of len(hosts) ranks; blocks until every rank has joined. `hosts`
+    are "ip:port" addresses, one per rank in rank order: ring listens on them, jaccl
+    uses rank 0's as its coordinator. jaccl also needs `rdma_devices`, the matrix of
+    RDMA device names between ranks (row i, column j: rank i's device to rank j; None
+    on the diagonal), as `mlx.launch`'s hostfile gives it."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "ring":
-        fd, path = tempfile.mkstemp(prefix="macfarm-hosts-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump([[h] for h in hosts], f)
-        os.environ["MLX_HOSTFILE"] = path
-    os.environ["MLX_RANK"] = str(rank)
     if not mx.distributed.is_available(backend):
-        raise RuntimeError(f"mx.distributed backend {backend!r} is not available on this machine")
+        raise RuntimeError(f"mx.distributed backend {backend!r} is not available on this machine "
+                           f"(jaccl needs macOS 26.2+ with RDMA over Thunderbolt enabled)")
+    if backend == "ring":
+        os.environ["MLX_HOSTFILE"] = _write_json([[h] for h in hosts])
+    else:
+        if rdma_devices is None or len(rdma_devices) != len(hosts):
+            raise ValueError("the jaccl backend needs rdma_devices: one row per rank (see docs/cluster.md)")
+        os.environ["MLX_IBV_DEVICES"] = _write_json(rdma_devices)
+        os.environ["MLX_JACCL_COORDINATOR"] = hosts[0]
+    os.environ["MLX_RANK"] = str(rank)
     try:
         group = mx.distributed.init(strict=True, backend=backend)
     except Exception as e:  # noqa: BLE001 - say which group could not start
@@ -52,6 +59,13 @@ def init_group(rank: int, hosts: Sequence[str], backend: str = "ring") -> mx.dis
     if group.size() != len(hosts):
         raise RuntimeError(f"joined a group of {group.size()} ranks, expected {len(hosts)}")
     return group
+
+
+def _write_json(value) -> str:
+    fd, path = tempfile.mkstemp(prefix="macfarm-group-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(value, f)
+    return path
 
 
 def group_min(group: Optional[mx.distributed.Group], value: int) -> int:
@@ -169,10 +183,11 @@ class Ranks:
         return group_min(self.group, value)
 
 
-def start_ranks(rank: int, hosts: Sequence[str], leader_address: str, backend: str = "ring") -> Ranks:
-    """Join the group (`hosts`: each rank's "ip:port" for the backend) and the leader's
-    command channel (`leader_address`: "ip:port" the leader listens on)."""
-    group = init_group(rank, hosts, backend)
+def start_ranks(rank: int, hosts: Sequence[str], leader_address: str, backend: str = "ring",
+                rdma_devices: Optional[List[List[Optional[str]]]] = None) -> Ranks:
+    """Join the group (`hosts`: each rank's "ip:port" for the backend, see init_group) and
+    the leader's command channel (`leader_address`: "ip:port" the leader listens on)."""
+    group = init_group(rank, hosts, backend, rdma_devices)
     if rank == 0:
         channel = CommandChannel.listen(int(leader_address.rsplit(":", 1)[1]), group.size() - 1)
     else:

@@ -37,7 +37,7 @@ class _Rank:
 
     def load(self, rank: int, hosts: List[str], leader: str, config: dict) -> None:
         self.config = EngineConfig(**config)
-        self.ranks = start_ranks(rank, hosts, leader, self.config.distributed_backend)
+        self.ranks = start_ranks(rank, hosts, leader, self.config.distributed_backend, self.config.rdma_devices)
         self.model, self.tokenizer = load_sharded(self.config.model, self.config.dtype, self.ranks.group,
                                                   self.config.pipeline_parallel_size > 1)
 
@@ -70,7 +70,7 @@ class RankGroup:
         leader = f"{ip}:{free_port()}"
         cfg = config.model_dump()
         loads = [f.load.remote(i, hosts, leader, cfg) for i, f in enumerate(self.followers, 1)]
-        self.ranks: Ranks = start_ranks(0, hosts, leader, config.distributed_backend)
+        self.ranks: Ranks = start_ranks(0, hosts, leader, config.distributed_backend, config.rdma_devices)
         self.model, self.tokenizer = load_sharded(config.model, config.dtype, self.ranks.group,
                                                   config.pipeline_parallel_size > 1)
         ray.get(loads)  # a rank that could not load fails the replica here, before any collective

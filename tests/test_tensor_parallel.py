@@ -11,6 +11,7 @@ import os
 import random
 import time
 
+import mlx.core as mx
 import pytest
 from conftest import default_tokenizer, reference_greedy, run_requests
 from tiny_models import make_tiny_model
@@ -166,3 +167,13 @@ def test_a_model_without_tensor_parallel_support_is_refused(tmp_path):
     path = save_tiny_model("gpt_bigcode", tmp_path / "m", tokenizer_dir=default_model_path())
     with pytest.raises(ValueError, match="gpt_bigcode has no tensor-parallel support"):
         load_sharded(str(path), "float32", mx.distributed.init())
+
+
+def test_a_backend_that_cannot_start_says_so():
+    from mlx_worker.ranks import init_group
+
+    with pytest.raises(ValueError, match="backend must be one of"):
+        init_group(0, ["127.0.0.1:1"], "nccl")
+    if not mx.distributed.is_available("jaccl"):  # Linux, or a Mac without RDMA
+        with pytest.raises(RuntimeError, match="'jaccl' is not available on this machine"):
+            init_group(0, ["127.0.0.1:1", "127.0.0.1:2"], "jaccl", [[None, "rdma_en2"], ["rdma_en2", None]])
