@@ -1,6 +1,6 @@
 """The app as users deploy it (`serve run deploy/app.yaml`: the embedded default model,
-the default KV pool) under 16 concurrent client loops of mixed requests: every request
-completes, and /v1/stats answers at once throughout."""
+the default KV pool): it answers the openai client, then under 16 concurrent client loops
+of mixed requests every request completes, and /v1/stats answers at once throughout."""
 
 import statistics
 import sys
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from openai import OpenAI
 from serve_fixtures import free_port, serve_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -28,6 +29,11 @@ def test_default_app_under_16_client_loops(tmp_path):
     path = tmp_path / "app.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with serve_run(path, port, ROOT) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=5, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
         httpx.get(f"{base}/v1/stats", timeout=60)  # the ingress's first call to a replica method sets up its handle
         res = run_load(base, LOOPS, SECONDS)
         stats = httpx.get(f"{base}/v1/stats", timeout=10).json()["replica"]
