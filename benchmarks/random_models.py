@@ -14,6 +14,8 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=576, num_attention_heads=9, num_key
                tie_word_embeddings=True)
 
 CONFIGS = {
+    # Dense attention with heads that divide by 2 and 4 (tensor parallel; SmolLM2's 3 KV heads do not).
+    "llama": dict(_COMMON, model_type="llama", num_hidden_layers=30, num_attention_heads=8, num_key_value_heads=4),
     # Gated DeltaNet linear attention, one full-attention layer in four.
     "qwen3_next": dict(_COMMON, model_type="qwen3_next", num_hidden_layers=24, full_attention_interval=4,
                        linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
