@@ -4,6 +4,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.utils import dequantize_model
 
@@ -63,5 +64,8 @@ def load_sharded(spec: Optional[str], dtype: str, group: mx.distributed.Group,
         model.model.pipeline(group) if pipeline else model.shard(group)
     except Exception as e:  # noqa: BLE001 - e.g. heads that do not divide by the group size
         raise ValueError(f"{name} cannot be split over {group.size()} ranks: {e}") from e
-    mx.eval(model.parameters())
+    # One tensor at a time: each is read whole from the checkpoint, then sliced. Evaluated
+    # together (as mlx-lm's sharded_load does), every whole tensor would be in memory at once.
+    for _, w in tree_flatten(model.parameters()):
+        mx.eval(w)
     return model, tokenizer

@@ -6,7 +6,8 @@ Beside it, a replica spanning two more Macs ({"bigmac": 1} nodes, the app's
 `replica_resource`) with `tensor_parallel_size: 2`: rank 0 (the Serve replica) and rank 1
 (an actor) on different Macs run the model's all-reduces over MLX's `ring` on loopback.
 Its answers equal an ordinary replica's; when rank 1 dies, its streams end with an SSE
-error and Serve restarts the whole group, which then serves again."""
+error and Serve restarts the whole group, which then serves again. Last, the same two
+Macs serve a `pipeline_parallel_size: 2` replica of qwen2 (a layer each), equal to mlx-lm."""
 
 import concurrent.futures as futures
 import random
@@ -137,3 +138,23 @@ def test_a_dead_rank_ends_its_streams_with_an_error_then_the_group_serves_again(
         time.sleep(1)
     assert statuses <= {200, 503} and 200 in statuses, statuses
     assert answers(f"{farm}/tp", ps) == expected
+
+
+def test_a_pipeline_parallel_replica_equals_mlx_lm(farm, tmp_path_factory):
+    """Last: the two bigmacs go to a pipeline-parallel replica of a model with
+    `model.pipeline` (each Mac holds one of qwen2's two layers)."""
+    from mlx_lm import load
+    from conftest import reference_greedy
+
+    serve.delete("tp")
+    path = tiny_model_dir(tmp_path_factory, arch="qwen2")
+    run_app(farm, "pp", "/pp", model=str(path), model_name="tiny", replica_resource="bigmac",
+            engine={**ENGINE, "max_batched_tokens": 64, "pipeline_parallel_size": 2})
+    model, tokenizer = load(str(path))
+    rng = random.Random(1)
+    ids = [[rng.randrange(100, 40000) for _ in range(n)] for n in (5, 30, 150)]  # 150: chunked
+    with futures.ThreadPoolExecutor(len(ids)) as pool:
+        rs = list(pool.map(lambda p: complete(f"{farm}/pp", p, ignore_eos=True), ids))
+    for p, r in zip(ids, rs):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == tokenizer.decode(reference_greedy(model, p, 12))

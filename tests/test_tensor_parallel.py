@@ -14,7 +14,8 @@ import time
 import mlx.core as mx
 import pytest
 from conftest import default_tokenizer, reference_greedy, run_requests
-from tiny_models import make_tiny_model
+from mlx.utils import tree_flatten
+from tiny_models import make_tiny_model, save_tiny_model
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 from mlx_worker.grammar import GrammarSpec
@@ -74,6 +75,13 @@ def _rank_main(rank, hosts, leader, task, arch, split, queue):
 
     try:
         ranks = start_ranks(rank, hosts, leader)
+        if task.startswith("load "):  # rank's memory for loading only its shard of a saved model
+            before = mx.get_active_memory()
+            mx.reset_peak_memory()
+            shard, _ = load_sharded(task[5:], "float32", ranks.group)
+            weights = sum(v.nbytes for _, v in tree_flatten(shard.parameters()))
+            queue.put((rank, (weights, mx.get_peak_memory() - before)))
+            return
         model = make_tiny_model(arch)
         model.model.pipeline(ranks.group) if split == "pipeline" else model.shard(ranks.group)
         tokenizer = default_tokenizer()
@@ -151,6 +159,17 @@ def test_two_ranks_equal_the_single_rank_engine(arch, split):
         assert toks == reference_greedy(model, prompt, 16)
 
 
+def test_each_rank_holds_only_its_shard(tmp_path):
+    from mlx_worker.gguf import default_model_path
+
+    wide = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, vocab_size=1024)  # layers dominate
+    path = save_tiny_model("llama", tmp_path / "m", tokenizer_dir=default_model_path(), **wide)
+    whole = sum(v.nbytes for _, v in tree_flatten(make_tiny_model("llama", **wide).parameters()))
+    weights, peak = run_ranks(f"load {path}")
+    assert weights < 0.6 * whole  # half of every layer; embeddings and head stay whole
+    assert peak < 0.75 * whole  # never the whole model, even while loading
+
+
 def test_a_dead_rank_fails_the_requests_in_flight():
     outcome, cause, seconds = run_ranks("kill")
     assert outcome == "failed"
@@ -159,9 +178,6 @@ def test_a_dead_rank_fails_the_requests_in_flight():
 
 
 def test_a_model_without_tensor_parallel_support_is_refused(tmp_path):
-    import mlx.core as mx
-    from tiny_models import save_tiny_model
-
     from mlx_worker.gguf import default_model_path
 
     path = save_tiny_model("gpt_bigcode", tmp_path / "m", tokenizer_dir=default_model_path())
