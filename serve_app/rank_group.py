@@ -1,5 +1,6 @@
-"""A replica that spans several Macs (tensor or pipeline parallel): rank 0 is the Serve replica, the
-other ranks are Ray actors in the replica's placement group, one bundle (one Mac) each.
+"""A replica that spans several Macs (tensor or pipeline parallel): rank 0 is the Serve
+replica, the other ranks are Ray actors in the replica's placement group, one bundle (one
+Mac) each.
 
 The group starts in two phases so that a rank that cannot load its shard fails the
 replica instead of leaving the others waiting in a collective: every rank joins the
