@@ -170,10 +170,10 @@ class Engine:
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[request.rid] = (loop, sink)
         self._commands.put(("add", (request, matcher)))
-        finished = False
+        finished, held = False, None
         try:
             while not finished:
-                out = _merge_ready(await sink.get(), sink)
+                out, held = _merge_ready(held if held is not None else await sink.get(), sink)
                 if isinstance(out, BaseException):
                     raise RuntimeError("engine loop died") from out
                 out.index = index
@@ -465,11 +465,13 @@ def _wait_os_thread_gone(thread: threading.Thread, timeout: float = 2.0) -> None
 
 def _merge_ready(out, sink: asyncio.Queue):
     """Fold outputs already waiting behind `out` into it: a slow consumer (e.g. one Ray
-    object per item) then gets several tokens per item instead of falling behind."""
+    object per item) then gets several tokens per item instead of falling behind. An
+    error is never folded into tokens (their stream must start before it fails): it is
+    returned as the next item to take, with the merged output."""
     while not isinstance(out, BaseException) and not out.finished and not sink.empty():
         nxt = sink.get_nowait()
-        if isinstance(nxt, BaseException):
-            return nxt
+        if isinstance(nxt, BaseException) or (nxt.finish_reason == "error" and out.token_ids):
+            return out, nxt
         out.token_ids = out.token_ids + nxt.token_ids
         if out.logprobs is not None or nxt.logprobs is not None:
             out.logprobs = (out.logprobs or []) + (nxt.logprobs or [])
@@ -477,7 +479,7 @@ def _merge_ready(out, sink: asyncio.Queue):
             out.top_logprobs = (out.top_logprobs or []) + (nxt.top_logprobs or [])
         out.finished, out.finish_reason, out.error, out.error_code = nxt.finished, nxt.finish_reason, nxt.error, nxt.error_code
         out.stop_reason, out.num_output_tokens = nxt.stop_reason, nxt.num_output_tokens
-    return out
+    return out, None
 
 
 def _put_all(items) -> None:

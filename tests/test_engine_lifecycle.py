@@ -225,6 +225,21 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on():
     both, (toks, last) = asyncio.run(main())
     for _, out in both:
         assert out.finish_reason == "error" and out.error_code == "engine_error" and "failed" in out.error
+    # A consumer that falls behind still gets the tokens before the error, never one item
+    # that carries both (a streamed response must start before it can report the failure).
+
+    async def slow():
+        items = []
+        streams = [eng.generate(req(r, rand_prompt(n, seed), 8)) for r, n, seed in (("d", 20, 1), ("e", 37, 2))]
+        firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        await asyncio.sleep(1.0)  # both steps (prefill, failing decode) are done by now
+        for s, first in zip(streams, firsts):
+            items.append([await first] + [out async for out in s])
+        return items
+
+    for outs in asyncio.run(slow()):
+        assert outs[0].token_ids and outs[0].finish_reason is None
+        assert outs[-1].finish_reason == "error" and not outs[-1].token_ids
     assert toks == reference_greedy(model, rand_prompt(25, 3), 8) and last.finish_reason == "length"
     st = eng.stats()
     assert st["failed_steps"] >= 1 and st["kv_pages_used"] == 0 and st["running"] == 0
