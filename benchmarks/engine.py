@@ -178,7 +178,8 @@ def batch_generator_schedule(model, sched):
 # --- engine counters ----------------------------------------------------------------------
 def counters(engine):
     s = engine.stats()
-    return {"steps": s["steps"], "host_ms": s["host_ms_per_step"] * s["steps"], "staged": s["decode_steps_staged"],
+    return {"steps": s["steps"], "host_ms": s["host_ms_per_step"] * s["steps"],
+            "build_ms": s["graph_build_ms_per_step"] * s["steps"], "staged": s["decode_steps_staged"],
             "gathered": s["decode_steps_gathered"], "preemptions": s["preemptions"]}
 
 
@@ -186,6 +187,7 @@ def since(before, engine):
     """Counter deltas since `before`, and the host ms per step over that span."""
     d = {k: v - before[k] for k, v in counters(engine).items()}
     d["host_ms_per_step"] = d["host_ms"] / d["steps"] if d["steps"] else float("nan")
+    d["build_ms_per_step"] = d["build_ms"] / d["steps"] if d["steps"] else float("nan")
     return d
 
 
@@ -323,19 +325,29 @@ def graph_build_ms(model, rows, steps=20):
 def run_host(engine, model, args):
     """Host work per step (scheduling, graph building, token handling, delivery: the
     engine thread's time not spent dispatching to or waiting for the device) at decode
-    batches of `host_rows` rows (16-token prompts, 64 output tokens), beside the time
-    mlx-lm itself takes to build the same step's graph."""
+    batches of `host_rows` rows (16-token prompts, 64 output tokens). Of it, building
+    the model's graph is mlx-lm's code (the engine's `graph_build_ms_per_step`; mlx-lm's
+    own loop's build time is printed beside it); the rest is the engine's share. With
+    overlap the next step is built while the forward runs on the same two cores, which
+    slows both; without overlap the host work runs alone, as it would beside a GPU."""
     print("\n## Host work per decode step (engine thread, device time excluded)")
     rows = []
     for n in args.host_rows:
-        before = counters(engine)
-        bench_engine(engine, prompts(n, 16, seed=60000 + n), 64, f"host{n}")
-        d = since(before, engine)
-        build = graph_build_ms(model, n)
         target = 2.0 if n <= 32 else 4.0 * n / 128
-        print(f"{n:>4} rows: {d['host_ms_per_step']:.2f} ms/step over {d['steps']} steps; of it mlx-lm's own graph "
-              f"build {build:.2f} ms, the engine's {d['host_ms_per_step'] - build:.2f} ms (target <= {target:.1f})")
-        rows.append({"scenario": f"host {n} rows", "host": d["host_ms_per_step"]})
+        for overlap in (True, False):
+            engine.config.overlap = overlap
+            before = counters(engine)
+            bench_engine(engine, prompts(n, 16, seed=60000 + n), 64, f"host{n}{overlap}")
+            d = since(before, engine)
+            share = d["host_ms_per_step"] - d["build_ms_per_step"]
+            print(f"{n:>4} rows, overlap {'on ' if overlap else 'off'}: {d['host_ms_per_step']:.2f} ms/step over "
+                  f"{d['steps']} steps; of it building the model's graph {d['build_ms_per_step']:.2f} ms, "
+                  f"the engine's share {share:.2f} ms (target <= {target:.1f})")
+            rows.append({"scenario": f"host {n}{'' if overlap else ' seq'}", "host": d["host_ms_per_step"],
+                         "share": share})
+        engine.config.overlap = True
+        print(f"      mlx-lm's own graph build for {n} rows (its KV cache, nothing else running): "
+              f"{graph_build_ms(model, n):.2f} ms")
     return rows
 
 
@@ -417,11 +429,11 @@ def print_summary(rows):
 
     print("\n## Summary (x: macfarm / BatchGenerator; ITL p95 ms: macfarm / BatchGenerator)")
     print(f"{'scenario':<16}{'pool':>9}{'e2e x':>8}{'decode x':>10}{'TTFT p50 x':>12}{'ITL p95 ms':>13}"
-          f"{'host ms/step':>14}{'mixed x':>9}{'peak MiB':>10}")
+          f"{'host ms/step':>14}{'of it engine':>14}{'mixed x':>9}{'peak MiB':>10}")
     for r in rows:
         itl = "-" if "itl" not in r else f"{r['itl'][0]:.0f} / {r['itl'][1]:.0f}"
         print(f"{r['scenario']:<16}{r['pool']:>9}{f(r.get('e2e'), '.2f'):>8}{f(r.get('decode'), '.2f'):>10}"
-              f"{f(r.get('ttft'), '.2f'):>12}{itl:>13}{f(r.get('host'), '.2f'):>14}"
+              f"{f(r.get('ttft'), '.2f'):>12}{itl:>13}{f(r.get('host'), '.2f'):>14}{f(r.get('share'), '.2f'):>14}"
               f"{f(r.get('mixed'), '.2f'):>9}{f(r.get('peak'), '.1f'):>10}")
 
 

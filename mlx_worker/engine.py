@@ -99,6 +99,8 @@ class Engine:
 
         self._commands: "queue.Queue[Tuple[str, object]]" = queue.Queue()
         self._sinks: Dict[str, Tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._outbox: Dict[asyncio.AbstractEventLoop, list] = {}  # outputs not yet handed to their loops
+        self.worker.before_device = self._flush_outbox
         self._host_s = 0.0  # engine-thread time per step that is not spent waiting for the device
         self._hashes_version, self._hashes_at = -1, 0.0
         self._memory = self._memory_budget(weights)
@@ -239,6 +241,7 @@ class Engine:
             "decode_steps_staged": worker.staging.num_staged,
             "decode_steps_gathered": worker.staging.num_gathered,
             "host_ms_per_step": 1e3 * self._host_s / steps,
+            "graph_build_ms_per_step": 1e3 * worker.build_s / steps,  # of host_ms: the model's own code
             "device_ms_per_step": 1e3 * worker.device_s / steps,
             "cached_page_hashes": hashes,
             "ranks": self.ranks.size if self.ranks else 1,  # Macs this engine spans
@@ -275,6 +278,7 @@ class Engine:
         except BaseException as e:  # surface to every waiting caller, never hang them
             if isinstance(e, RankLost) and self._stop.is_set():
                 return  # this follower's own shutdown closed the channel
+            self._flush_outbox()
             self._fail_all(e)
             raise
         finally:
@@ -334,6 +338,8 @@ class Engine:
                 self._recover(inflight, plan if plan and not launched else None, e)
             if plan:
                 self._host_s += time.perf_counter() - t - (self.worker.device_s - wait)
+            if not inflight:  # no device wait ahead to hand the outputs over in
+                self._flush_outbox()
 
     def _recover(self, inflight: deque, unlaunched: Optional[StepPlan], error: Exception) -> None:
         """After a step failed: when it failed while being built, the steps already in
@@ -423,14 +429,20 @@ class Engine:
             self._publish_stats()
 
     def _deliver(self, outputs: List[RequestOutput]) -> None:
-        by_loop: Dict[asyncio.AbstractEventLoop, list] = {}
+        """Queue outputs for their callers' event loops; they are handed over just before
+        the engine thread next waits for the device (`_flush_outbox`). Waking a loop
+        earlier would have its consumers compete for the GIL with the building of the
+        next step, which then reaches the device later."""
         for out in outputs:
             target = self._sinks.get(out.rid)
             if target is not None:
-                by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+                self._outbox.setdefault(target[0], []).append((target[1], out))
 
+    def _flush_outbox(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            with contextlib.suppress(RuntimeError):  # that caller's event loop is closed
+                loop.call_soon_threadsafe(_put_all, items)
 
 MAX_CONSECUTIVE_FAILURES = 3  # then the loop dies and the replica reports itself unhealthy
 RANK_LOST = "a rank of this engine's group is gone: the group must restart"

@@ -3,7 +3,7 @@
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -70,6 +70,8 @@ class Worker:
         self.stop_ids = list(stop_ids)
         self._busy = False  # work dispatched that the device may not have finished
         self.device_s = 0.0  # time spent dispatching to and waiting for the device (the rest is host work)
+        self.build_s = 0.0  # of the host work: building the model's graph (mlx-lm's code, not the engine's)
+        self.before_device: Optional[Callable[[], None]] = None  # called before each dispatch or wait
 
     def launch(self, plan: StepPlan) -> InFlightStep:
         last_logits = []
@@ -138,7 +140,9 @@ class Worker:
         the recurrent states it leaves in the sequences (still lazy)."""
         state_caches = self.states.caches([s.state for s in seqs]) if self.states else []
         caches = forward_caches(self.tree, self.pool, layout, state_caches, staged)
+        t = time.perf_counter()
         out = self.split[0](inputs, caches) if body_only else self.model(inputs, cache=caches)
+        self.build_s += time.perf_counter() - t
         if not state_caches:
             return out, []
         batch = RecurrentStates.collect(state_caches)
@@ -217,6 +221,8 @@ class Worker:
     def _on_device(self, call, *args) -> None:
         # Dispatch counts as device time: MLX's CPU backend computes in the dispatching
         # thread once ~100 tasks are queued, so on a CPU an async_eval is mostly the forward.
+        if self.before_device is not None:
+            self.before_device()
         t = time.perf_counter()
         call(*args)
         self.device_s += time.perf_counter() - t

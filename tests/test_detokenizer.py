@@ -60,3 +60,18 @@ def test_the_rust_decoder_gives_what_the_tokenizer_gives(tok):
     for i in range(len(ids)):
         for j in range(i + 1, min(len(ids), i + 6) + 1):
             assert fast(ids[i:j]) == tok.decode(ids[i:j], skip_special_tokens=True)
+
+
+def test_the_stream_decoder_and_the_window_decoder_give_the_same_deltas(tok):
+    """The default tokenizer streams through `tokenizers`' DecodeStream; the window
+    algorithm (any other tokenizer) must give the same deltas, merged steps included."""
+    ids = tok.encode(TEXT + " and more 🚀 text", add_special_tokens=False)
+    prompt = tok.encode("Say", add_special_tokens=False)
+    fast, window = IncrementalDetokenizer(tok, prompt), IncrementalDetokenizer(tok, prompt)
+    window._stream = None
+    assert fast._stream is not None
+    steps, i = [], 0
+    while i < len(ids):  # steps of 1, 2 and 3 tokens, as merged outputs bring them
+        steps.append(ids[i : i + 1 + len(steps) % 3])
+        i += len(steps[-1])
+    assert [fast.add(s) for s in steps] == [window.add(s) for s in steps]
