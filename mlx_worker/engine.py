@@ -301,12 +301,15 @@ class Engine:
                 return
 
     def _leave_group(self) -> None:
-        """The leader tells the followers' engines to stop (the group may serve a next one)."""
+        """The leader tells the followers' engines to stop (the group may serve a next one);
+        a follower whose loop died closes its channel, which the leader's watchdog sees."""
         if self.ranks.leader:
             try:
                 self.ranks.channel.send([("stop", None)])
             except Exception:  # noqa: BLE001 - a follower already gone
                 pass
+        elif self._error is not None:
+            self.ranks.channel.close()
 
     def _loop(self) -> None:
         inflight: deque = deque()
@@ -332,6 +335,9 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
                 if self.ranks and self.ranks.channel.peer_gone():
                     raise RankLost(RANK_LOST) from e
+                if self.ranks:  # the others may have run this step (and wait in its collectives)
+                    raise RankLost(f"a step failed on rank {self.ranks.rank} ({type(e).__name__}: {e}); "
+                                   f"{RANK_LOST}") from e
                 failures += 1
                 if failures >= MAX_CONSECUTIVE_FAILURES:
                     raise  # not one bad batch: the device or the model is broken

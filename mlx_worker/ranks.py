@@ -12,6 +12,7 @@ exchange: after the forward's last collective the logits are the same on every r
 and a sample is a function of (logits, seed, step).
 """
 
+import contextlib
 import json
 import os
 import pickle
@@ -56,6 +57,10 @@ def init_group(rank: int, hosts: Sequence[str], backend: str = "ring",
         group = mx.distributed.init(strict=True, backend=backend)
     except Exception as e:  # noqa: BLE001 - say which group could not start
         raise RuntimeError(f"rank {rank} could not join the {backend} group {list(hosts)}: {e}") from e
+    finally:
+        for var in ("MLX_HOSTFILE", "MLX_IBV_DEVICES"):
+            with contextlib.suppress(KeyError, OSError):
+                os.remove(os.environ.pop(var))  # read by init: a temporary file
     if group.size() != len(hosts):
         raise RuntimeError(f"joined a group of {group.size()} ranks, expected {len(hosts)}")
     return group
@@ -95,11 +100,16 @@ class CommandChannel:
     def listen(cls, port: int, followers: int, timeout: float = CONNECT_TIMEOUT_S) -> "CommandChannel":
         """Leader: accept `followers` connections on `port`."""
         server = socket.create_server(("", port))
-        server.settimeout(timeout)
+        deadline, socks = time.monotonic() + timeout, []
         try:
-            socks = [server.accept()[0] for _ in range(followers)]
+            while len(socks) < followers:
+                server.settimeout(max(0.01, deadline - time.monotonic()))
+                socks.append(server.accept()[0])
         except socket.timeout as e:
-            raise RuntimeError(f"followers did not connect to port {port} within {timeout:.0f} s") from e
+            for s in socks:
+                s.close()
+            raise RuntimeError(f"{followers - len(socks)} of {followers} follower ranks did not reach the leader "
+                               f"on port {port} within {timeout:.0f} s: the group cannot start") from e
         finally:
             server.close()
         for s in socks:
@@ -184,12 +194,19 @@ class Ranks:
 
 
 def start_ranks(rank: int, hosts: Sequence[str], leader_address: str, backend: str = "ring",
-                rdma_devices: Optional[List[List[Optional[str]]]] = None) -> Ranks:
-    """Join the group (`hosts`: each rank's "ip:port" for the backend, see init_group) and
-    the leader's command channel (`leader_address`: "ip:port" the leader listens on)."""
-    group = init_group(rank, hosts, backend, rdma_devices)
+                rdma_devices: Optional[List[List[Optional[str]]]] = None,
+                timeout: float = CONNECT_TIMEOUT_S) -> Ranks:
+    """Join the leader's command channel (`leader_address`: "ip:port" the leader listens
+    on), then the group (`hosts`: each rank's "ip:port" for the backend, see init_group).
+    The channel comes first because it can time out: mx.distributed's join cannot (it
+    blocks, holding the GIL, until every rank has come), so it starts only once every
+    rank is known to be there."""
     if rank == 0:
-        channel = CommandChannel.listen(int(leader_address.rsplit(":", 1)[1]), group.size() - 1)
+        channel = CommandChannel.listen(int(leader_address.rsplit(":", 1)[1]), len(hosts) - 1, timeout)
     else:
-        channel = CommandChannel.connect(leader_address)
-    return Ranks(group, channel)
+        channel = CommandChannel.connect(leader_address, timeout)
+    try:
+        return Ranks(init_group(rank, hosts, backend, rdma_devices), channel)
+    except BaseException:
+        channel.close()
+        raise

@@ -6,6 +6,7 @@ and the single-rank engine's (seeded sampling, JSON schema), under batching, chu
 prefill, prefix hits and preemption; a rank that dies fails the requests in flight."""
 
 import asyncio
+import itertools
 import multiprocessing as mp
 import os
 import random
@@ -92,11 +93,24 @@ def _rank_main(rank, hosts, leader, task, arch, split, queue):
 
         if task == "scenarios":
             result = _scenarios(engine_for, rank)
-        else:  # "kill": rank 1 dies while rank 0 decodes
+        else:  # "kill": rank 1 dies while rank 0 decodes; "fail<r>": a step fails on rank r only
             engine = engine_for(max_total_tokens=4096)
-            if rank == 1:
+            if task == "kill" and rank == 1:
                 time.sleep(1.0)
                 os._exit(1)
+            if task == f"fail{rank}":
+                launch, calls = engine.worker.launch, itertools.count()
+
+                def failing(plan):
+                    if next(calls) == 5:
+                        raise RuntimeError("injected step failure")
+                    return launch(plan)
+
+                engine.worker.launch = failing
+            if rank != 0:
+                engine.join()
+                queue.put((rank, repr(engine.error)))
+                return
             t = time.perf_counter()
             try:
                 _collect(engine, "long", list(range(100, 150)), SamplingParams(max_tokens=100000, ignore_eos=True))
@@ -132,8 +146,8 @@ def run_ranks(task, arch="llama", split="tensor", size=2, timeout=240):
             results[rank] = result
         return results[0]
     finally:
-        for p in procs:
-            p.join(30)
+        for p in procs:  # a rank left in a collective by a failed one never ends
+            p.join(30 if task == "scenarios" else 3)
             if p.is_alive():
                 p.kill()
 
@@ -175,6 +189,27 @@ def test_a_dead_rank_fails_the_requests_in_flight():
     assert outcome == "failed"
     assert "RankLost" in cause and "the group must restart" in cause
     assert seconds < 30
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_step_that_fails_on_one_rank_fails_the_group(rank):
+    """The ranks must run the same steps: a step that failed on one rank only cannot be
+    recovered from as a single engine does (the others may wait in its collectives)."""
+    outcome, cause, seconds = run_ranks(f"fail{rank}")
+    assert outcome == "failed"
+    assert "RankLost" in cause and "the group must restart" in cause
+    assert ("injected step failure" in cause) == (rank == 0)  # rank 1's own error is in its log
+    assert seconds < 30
+
+
+def test_a_rank_that_never_comes_fails_the_start_instead_of_hanging():
+    from mlx_worker.ranks import start_ranks
+
+    t = time.perf_counter()
+    with pytest.raises(RuntimeError, match="1 of 1 follower ranks did not reach the leader"):
+        start_ranks(0, [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"], f"127.0.0.1:{free_port()}",
+                    timeout=1)
+    assert time.perf_counter() - t < 5
 
 
 def test_a_model_without_tensor_parallel_support_is_refused(tmp_path):
