@@ -1,10 +1,10 @@
 """The application builder: `serve run serve_app.app:build_app` or deploy/app.yaml."""
 
 import os
-from typing import Any, Dict, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
 import ray
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
 from mlx_worker.paging import PAGE_SIZE
@@ -12,6 +12,19 @@ from mlx_worker.paging import PAGE_SIZE
 from .ingress import Ingress
 from .rank_group import group_bundles
 from .replica import MLXReplica
+
+
+class ReplicaGroupArgs(BaseModel):
+    """One kind of replica in an app whose replicas differ: e.g. ordinary Macs one each,
+    and a pair of other Macs that serve the same model tensor parallel. Unset fields
+    take the app's."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_]+$")  # the deployment is MLXReplica_<name>
+    num_replicas: Union[int, Literal["auto"], None] = None
+    replica_resource: Optional[str] = "auto"
+    engine: Dict[str, Any] = Field(default_factory=dict)  # over the app's engine fields
+    weight: Optional[float] = Field(None, gt=0)  # share of new prompts; default: its replica count
 
 
 class AppArgs(BaseModel):
@@ -29,6 +42,24 @@ class AppArgs(BaseModel):
     default_max_tokens: int = Field(512, ge=1)
     api_key: Optional[str] = None  # bearer token; also $MACFARM_API_KEY
     retry_after_s: int = 1
+    replica_groups: List[ReplicaGroupArgs] = Field(default_factory=list)  # replicas of different sizes
+
+
+def _groups(args: AppArgs) -> List[AppArgs]:
+    """Each replica group as the AppArgs of an app of that group alone."""
+    if not args.replica_groups:
+        return [args]
+    names = [g.name for g in args.replica_groups]
+    if len(set(names)) != len(names):
+        raise ValueError(f"replica group names must differ: {names}")
+    for g in args.replica_groups:
+        if g.engine.get("page_size", args.engine.get("page_size", PAGE_SIZE)) != args.engine.get("page_size", PAGE_SIZE):
+            raise ValueError(f"replica group {g.name!r}: every group needs the app's page_size (the ingress hashes pages)")
+    return [args.model_copy(update={
+        "engine": {**args.engine, **g.engine},
+        "num_replicas": args.num_replicas if g.num_replicas is None else g.num_replicas,
+        "replica_resource": g.replica_resource if "replica_resource" in g.model_fields_set else args.replica_resource,
+    }) for g in args.replica_groups]
 
 
 def _replica_options(args: AppArgs) -> Dict[str, Any]:
@@ -76,10 +107,13 @@ def compose_app(
     router class object, as the routing benchmark's baselines are)."""
     args = AppArgs.model_validate(args or {})
     args.api_key = args.api_key or os.environ.get("MACFARM_API_KEY") or None
-    engine = {**args.engine, "model": args.model}
-    opts = _replica_options(args)
-    if request_router_config is not None:
-        opts["request_router_config"] = request_router_config
-    replica = MLXReplica.options(**opts).bind(engine)
+    replicas, weights = {}, {}
+    for spec, group in zip(args.replica_groups or [None], _groups(args)):
+        opts = _replica_options(group)
+        if request_router_config is not None:
+            opts["request_router_config"] = request_router_config
+        name = f"MLXReplica_{spec.name}" if spec else "MLXReplica"
+        replicas[name] = MLXReplica.options(name=name, **opts).bind({**group.engine, "model": args.model})
+        weights[name] = spec.weight if spec and spec.weight else opts["num_replicas"]
     ingress = Ingress.options(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replica, args.model_dump())
+    return ingress.bind(replicas, args.model_dump(), weights)

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import time
+import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Dict, List, Optional
 
@@ -25,6 +26,7 @@ from . import responses_api as R
 from . import tools as T
 from .harmony import HarmonyParser, is_harmony
 from .output_parser import OutputParser, Parsed, starts_in_reasoning, think_format
+from .replica_groups import GroupPicker
 
 api = FastAPI(title="macfarm", description="OpenAI-compatible LLM serving on a Mac farm")
 
@@ -64,7 +66,8 @@ async def _http_error(request: Request, e: StarletteHTTPException):
 class Ingress:
     """Validates, applies the chat template, tokenizes, and streams from a replica."""
 
-    def __init__(self, replica: DeploymentHandle, args: Dict[str, Any]):
+    def __init__(self, replicas: Dict[str, DeploymentHandle], args: Dict[str, Any],
+                 weights: Optional[Dict[str, float]] = None):
         from mlx_lm.utils import load_tokenizer
 
         from mlx_worker.gguf import resolve_model
@@ -80,8 +83,10 @@ class Ingress:
         self.vocab_size = len(self.tokenizer._tokenizer)
         self.page_size = int(self.args.engine.get("page_size", PAGE_SIZE))
         self.max_body_bytes = max(1 << 20, BODY_BYTES_PER_TOKEN * self.max_model_len)
-        self.replica = replica.options(stream=True, method_name="generate")
-        self.stats_handle = replica.options(method_name="stats")
+        # One deployment per replica group (app.py): several when replicas differ in size.
+        self.generate = {g: h.options(stream=True, method_name="generate") for g, h in replicas.items()}
+        self.stats_handles = {g: h.options(method_name="stats") for g, h in replicas.items()}
+        self.groups = GroupPicker(weights or {g: 1.0 for g in replicas}) if len(replicas) > 1 else None
         self.harmony = is_harmony(self.tokenizer)  # gpt-oss
         self.call_format = T.HARMONY_CALLS if self.harmony else T.call_format(self.tokenizer)
         self.think = think_format(self.tokenizer)
@@ -100,9 +105,14 @@ class Ingress:
 
     @api.get("/v1/stats")
     async def stats(self, request: Request):
-        """Load and cache figures of the replicas (one call reaches one replica)."""
+        """Load and cache figures of the replicas (one call reaches one replica; of each
+        group, when the app has several)."""
         self._auth(request)
-        return {"replica": await self.stats_handle.remote()}
+        names = list(self.stats_handles)
+        stats = await asyncio.gather(*[self.stats_handles[g].remote() for g in names])
+        if self.groups is None:
+            return {"replica": stats[0]}
+        return {"replica": stats[0], "groups": dict(zip(names, stats)), "in_flight": dict(self.groups.inflight)}
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -245,14 +255,27 @@ class Ingress:
         return P.to_sampling_params(body, self.args.default_max_tokens, self.max_model_len, n, tool_grammar)
 
     async def _start(self, rid: str, prompt_ids: List[int], params):
-        """Send a request to a replica: its first output and the rest of the stream."""
-        payload = {"rid": rid, "prompt_ids": prompt_ids, "params": params.model_dump(),
-                   "page_hashes": page_hashes(prompt_ids, self.page_size)}
-        stream = self.replica.remote(payload)
+        """Send a request to a replica (in the best group that takes it, when the app has
+        several): its first output and the rest of the stream."""
+        hashes = page_hashes(prompt_ids, self.page_size)
+        payload = {"rid": rid, "prompt_ids": prompt_ids, "params": params.model_dump(), "page_hashes": hashes}
+        groups = self.groups.ranked(hashes) if self.groups else list(self.generate)
+        for i, group in enumerate(groups):
+            try:
+                return await self._start_in(group, payload, hashes)
+            except BackPressureError:
+                if i == len(groups) - 1:
+                    raise _overloaded(self.args.retry_after_s)
+
+    async def _start_in(self, group: str, payload: dict, hashes: List[int]):
+        stream = self.generate[group].remote(payload)
+        if self.groups:  # in flight until the response is done with its stream
+            self.groups.started(group, hashes)
+            weakref.finalize(stream, self.groups.finished, group)
         try:
             first = await stream.__anext__()
         except BackPressureError:
-            raise _overloaded(self.args.retry_after_s)
+            raise
         except StopAsyncIteration:
             raise P.ProtocolError("the replica ended the stream without output", status=500)
         except Exception as e:  # noqa: BLE001 - the replica died or failed: no output yet

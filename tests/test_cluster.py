@@ -6,8 +6,10 @@ Beside it, a replica spanning two more Macs ({"bigmac": 1} nodes, the app's
 `replica_resource`) with `tensor_parallel_size: 2`: rank 0 (the Serve replica) and rank 1
 (an actor) on different Macs run the model's all-reduces over MLX's `ring` on loopback.
 Its answers equal an ordinary replica's; when rank 1 dies, its streams end with an SSE
-error and Serve restarts the whole group, which then serves again. Last, the same two
-Macs serve a `pipeline_parallel_size: 2` replica of qwen2 (a layer each), equal to mlx-lm."""
+error and Serve restarts the whole group, which then serves again. Last, one app with
+replicas of two sizes (`replica_groups`): the same two Macs serve a
+`pipeline_parallel_size: 2` replica of qwen2 (a layer each) beside a one-process replica;
+requests reach both, and every answer equals mlx-lm's."""
 
 import concurrent.futures as futures
 import random
@@ -140,21 +142,29 @@ def test_a_dead_rank_ends_its_streams_with_an_error_then_the_group_serves_again(
     assert answers(f"{farm}/tp", ps) == expected
 
 
-def test_a_pipeline_parallel_replica_equals_mlx_lm(farm, tmp_path_factory):
+def test_replicas_of_two_sizes_in_one_app_equal_mlx_lm(farm, tmp_path_factory):
     """Last: the two bigmacs go to a pipeline-parallel replica of a model with
-    `model.pipeline` (each Mac holds one of qwen2's two layers)."""
+    `model.pipeline` (each Mac holds one of qwen2's two layers), in one app with an
+    ordinary replica beside it; the ingress spreads new prompts over both groups."""
     from mlx_lm import load
     from conftest import reference_greedy
 
     serve.delete("tp")
     path = tiny_model_dir(tmp_path_factory, arch="qwen2")
-    run_app(farm, "pp", "/pp", model=str(path), model_name="tiny", replica_resource="bigmac",
-            engine={**ENGINE, "max_batched_tokens": 64, "pipeline_parallel_size": 2})
+    groups = [{"name": "pair", "replica_resource": "bigmac", "engine": {"pipeline_parallel_size": 2}},
+              {"name": "one", "replica_resource": None, "num_replicas": 1}]
+    run_app(farm, "pp", "/pp", model=str(path), model_name="tiny", replica_groups=groups,
+            engine={**ENGINE, "max_batched_tokens": 64})
     model, tokenizer = load(str(path))
     rng = random.Random(1)
-    ids = [[rng.randrange(100, 40000) for _ in range(n)] for n in (5, 30, 150)]  # 150: chunked
+    ids = [[rng.randrange(100, 40000) for _ in range(n)] for n in (5, 30, 150, 9)]  # 150: chunked
     with futures.ThreadPoolExecutor(len(ids)) as pool:
         rs = list(pool.map(lambda p: complete(f"{farm}/pp", p, ignore_eos=True), ids))
     for p, r in zip(ids, rs):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == tokenizer.decode(reference_greedy(model, p, 12))
+    stats = httpx.get(f"{farm}/pp/v1/stats", timeout=30).json()
+    pair, one = stats["groups"]["MLXReplica_pair"], stats["groups"]["MLXReplica_one"]
+    assert (pair["ranks"], one["ranks"]) == (2, 1)
+    assert pair["steps"] > 0 and one["steps"] > 0  # both groups served
+    assert stats["in_flight"] == {"MLXReplica_pair": 0, "MLXReplica_one": 0}
