@@ -450,6 +450,7 @@ class Engine:
             with contextlib.suppress(RuntimeError):  # that caller's event loop is closed
                 loop.call_soon_threadsafe(_put_all, items)
 
+
 MAX_CONSECUTIVE_FAILURES = 3  # then the loop dies and the replica reports itself unhealthy
 RANK_LOST = "a rank of this engine's group is gone: the group must restart"
 GROUP_WATCH_S = 0.5  # how often a rank checks that the others are still there

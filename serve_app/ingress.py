@@ -125,7 +125,7 @@ class Ingress:
     @api.post("/v1/messages")
     async def messages(self, request: Request):
         """Anthropic's Messages API, served through the chat path."""
-        body, rid, parser, first, stream = await self._mapped(request, A.MessagesRequest, "messages", P.random_id("msg"))
+        body, rid, parser, first, stream = await self._mapped(request, A.MessagesRequest, "messages", P.random_id("msg", "_"))
         if body.stream:
             writer = A.StreamWriter(self.model_name, rid)
             return StreamingResponse(self._writer_sse(first, stream, parser, writer, A), media_type="text/event-stream")

@@ -193,9 +193,9 @@ def _json_or_text(s: str):
         return s
 
 
-def random_id(prefix: str) -> str:
-    """e.g. random_id("chatcmpl") -> "chatcmpl-3f2a..."."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+def random_id(prefix: str, sep: str = "-") -> str:
+    """e.g. random_id("chatcmpl") -> "chatcmpl-3f2a..." (Anthropic's ids take "_")."""
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
 def _now() -> int:

@@ -44,7 +44,7 @@ def greedy_text(served, n):
 def test_text_message_equals_greedy_and_counts_tokens(served, client):
     r = client.messages.create(model="tiny", system=SYSTEM, messages=MSGS, max_tokens=10, extra_body=GREEDY)
     text, ids = greedy_text(served, 10)
-    assert r.type == "message" and r.role == "assistant" and r.id.startswith("msg")
+    assert r.type == "message" and r.role == "assistant" and r.id.startswith("msg_")
     assert [b.type for b in r.content] == ["text"] and r.content[0].text == text
     assert r.stop_reason in ("max_tokens", "end_turn")
     assert r.usage.input_tokens + r.usage.cache_read_input_tokens == len(ids) and r.usage.output_tokens <= 10
