@@ -10,7 +10,8 @@ picks a replica:
   or a tenant's system prompt stays where its KV pages are cached;
 - unless that group is much busier than another: its requests in flight per unit of
   weight (by default: per replica) exceed the least busy group's by more than
-  `imbalance_threshold` and `imbalance_ratio` times; then, and for a prompt no group has
+  `imbalance_threshold` and `imbalance_ratio` times (the router's own test,
+  `router.imbalanced`); then, and for a prompt no group has
   seen, the least busy group takes it (ties: the one furthest below its share of the
   recent requests, so new prefixes spread by weight even when nothing is queued).
 """
@@ -18,6 +19,8 @@ picks a replica:
 import math
 from collections import OrderedDict
 from typing import Dict, List, Sequence
+
+from .router import imbalanced
 
 MAX_TRACKED_PAGES = 200_000  # page hashes remembered, all groups together
 BALANCE_WINDOW = 256  # requests in the (exponentially decayed) window of each group's share
@@ -41,7 +44,8 @@ class GroupPicker:
         total = sum(self._recent.values()) or 1.0
         by_load = sorted(self.weights, key=lambda g: (self._load(g), self._recent[g] / total / self.share[g]))
         first = self._cached(page_hashes)
-        if first is None or self._imbalanced(self._load(first), self._load(by_load[0])):
+        if first is None or imbalanced([self._load(first), self._load(by_load[0])], self.imbalance_threshold,
+                                       self.imbalance_ratio):
             first = by_load[0]
         return [first, *(g for g in by_load if g != first)]
 
@@ -63,9 +67,6 @@ class GroupPicker:
 
     def _load(self, group: str) -> float:
         return self.inflight[group] / self.weights[group]
-
-    def _imbalanced(self, load: float, least: float) -> bool:
-        return load - least > self.imbalance_threshold and load > self.imbalance_ratio * least
 
     def _cached(self, page_hashes: Sequence[int]):
         for h in reversed(page_hashes):  # a chained hash names its whole prefix: deepest first

@@ -103,6 +103,17 @@ class PrefixAffinityConfig(BaseModel):
     after the others, so a hot prefix spills over (and gets cached) elsewhere."""
 
 
+def imbalanced(loads: Sequence[float], threshold: float, ratio: float) -> bool:
+    """Whether the most loaded is over `threshold` above the least and, unless `ratio`
+    <= 1 (difference only), over `ratio` times it."""
+    if len(loads) < 2:
+        return False
+    lo, hi = min(loads), max(loads)
+    if hi - lo <= threshold:
+        return False
+    return ratio <= 1.0 or hi > ratio * lo
+
+
 def prefix_match_len(
     page_hashes: Sequence[int], has: Any, mode: str = "deepest"
 ) -> int:
@@ -362,13 +373,7 @@ class PrefixAffinityPolicy:
         return ReplicaScore(key, matched, load, cfg.page_weight * matched - cfg.load_weight * load)
 
     def is_imbalanced(self, loads: Sequence[float]) -> bool:
-        if len(loads) < 2:
-            return False
-        lo, hi = min(loads), max(loads)
-        cfg = self.config
-        if hi - lo <= cfg.imbalance_threshold:
-            return False
-        return cfg.imbalance_ratio <= 1.0 or hi > cfg.imbalance_ratio * lo
+        return imbalanced(loads, self.config.imbalance_threshold, self.config.imbalance_ratio)
 
     def rank(
         self,
