@@ -21,9 +21,8 @@ class IncrementalDetokenizer:
         self.ids: List[int] = list(prompt_ids[-4:])  # context so leading spaces decode right
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self._stream = None
-        if self._decode.__name__ == "rust_decode":
-            self._stream = DecodeStream(list(self.ids), skip_special_tokens=True)
+        self._rust = getattr(self._decode, "rust", None)  # the `tokenizers` object, when there is one
+        self._stream = DecodeStream(list(self.ids), skip_special_tokens=True) if self._rust else None
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # all text so far, including held-back characters
@@ -48,7 +47,7 @@ class IncrementalDetokenizer:
     def _step(self, token_ids: Sequence[int]) -> str:
         """The text `token_ids` complete ("" while a character is still partial)."""
         if self._stream is not None:
-            return self._stream.step(self._decode.rust, list(token_ids)) or ""
+            return self._stream.step(self._rust, list(token_ids)) or ""
         self.ids.extend(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
