@@ -1,7 +1,7 @@
 """The application builder: `serve run serve_app.app:build_app` or deploy/app.yaml."""
 
 import os
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,21 +45,22 @@ class AppArgs(BaseModel):
     replica_groups: List[ReplicaGroupArgs] = Field(default_factory=list)  # replicas of different sizes
 
 
-def _groups(args: AppArgs) -> List[AppArgs]:
-    """Each replica group as the AppArgs of an app of that group alone."""
+def _groups(args: AppArgs) -> List[Tuple[str, AppArgs, Optional[float]]]:
+    """Each replica group: its deployment's name, the AppArgs of an app of that group
+    alone, and its weight (None: its replica count)."""
     if not args.replica_groups:
-        return [args]
+        return [("MLXReplica", args, None)]
     names = [g.name for g in args.replica_groups]
     if len(set(names)) != len(names):
         raise ValueError(f"replica group names must differ: {names}")
     for g in args.replica_groups:
         if g.engine.get("page_size", args.engine.get("page_size", PAGE_SIZE)) != args.engine.get("page_size", PAGE_SIZE):
             raise ValueError(f"replica group {g.name!r}: every group needs the app's page_size (the ingress hashes pages)")
-    return [args.model_copy(update={
+    return [(f"MLXReplica_{g.name}", args.model_copy(update={
         "engine": {**args.engine, **g.engine},
         "num_replicas": args.num_replicas if g.num_replicas is None else g.num_replicas,
         "replica_resource": g.replica_resource if "replica_resource" in g.model_fields_set else args.replica_resource,
-    }) for g in args.replica_groups]
+    }), g.weight) for g in args.replica_groups]
 
 
 def _replica_options(args: AppArgs) -> Dict[str, Any]:
@@ -108,12 +109,11 @@ def compose_app(
     args = AppArgs.model_validate(args or {})
     args.api_key = args.api_key or os.environ.get("MACFARM_API_KEY") or None
     replicas, weights = {}, {}
-    for spec, group in zip(args.replica_groups or [None], _groups(args)):
+    for name, group, weight in _groups(args):
         opts = _replica_options(group)
         if request_router_config is not None:
             opts["request_router_config"] = request_router_config
-        name = f"MLXReplica_{spec.name}" if spec else "MLXReplica"
         replicas[name] = MLXReplica.options(name=name, **opts).bind({**group.engine, "model": args.model})
-        weights[name] = spec.weight if spec and spec.weight else opts["num_replicas"]
+        weights[name] = weight or opts["num_replicas"]
     ingress = Ingress.options(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
     return ingress.bind(replicas, args.model_dump(), weights)

@@ -60,7 +60,8 @@ def test_groups_take_the_apps_fields_unless_they_set_their_own():
         "replica_groups": [{"name": "one"},
                            {"name": "pair", "num_replicas": 1, "replica_resource": "bigmac",
                             "engine": {"tensor_parallel_size": 2}}]})
-    one, pair = _groups(args)
+    (one_name, one, one_weight), (pair_name, pair, pair_weight) = _groups(args)
+    assert (one_name, pair_name, one_weight, pair_weight) == ("MLXReplica_one", "MLXReplica_pair", None, None)
     assert (one.num_replicas, one.replica_resource, one.engine) == (2, "mac", {"max_running_requests": 8})
     assert (pair.num_replicas, pair.replica_resource) == (1, "bigmac")
     assert pair.engine == {"max_running_requests": 8, "tensor_parallel_size": 2}
