@@ -180,7 +180,8 @@ def counters(engine):
     s = engine.stats()
     return {"steps": s["steps"], "host_ms": s["host_ms_per_step"] * s["steps"],
             "build_ms": s["graph_build_ms_per_step"] * s["steps"], "staged": s["decode_steps_staged"],
-            "gathered": s["decode_steps_gathered"], "preemptions": s["preemptions"]}
+            "gathered": s["decode_steps_gathered"], "restaged": s["decode_steps_restaged"],
+            "preemptions": s["preemptions"]}
 
 
 def since(before, engine):
@@ -193,7 +194,7 @@ def since(before, engine):
 
 def print_counters(d):
     print(f"engine: {d['steps']} steps, host {d['host_ms_per_step']:.2f} ms/step, decode steps staged "
-          f"{d['staged']} / gathered {d['gathered']}, preemptions {d['preemptions']}")
+          f"{d['staged']} (restaged {d['restaged']}) / gathered {d['gathered']}, preemptions {d['preemptions']}")
 
 
 # --- scenarios: each prints its section and returns rows for the summary -------------------

@@ -12,7 +12,9 @@ row into it, so the batch stays the slots 0..B-1 (the worker orders the decode r
 slot). The copies are read in a dispatch of their own before the step (`edits`): a read
 of an array before a write to it in one graph makes MLX copy the whole array.
 
-Past `max_bytes` (slots x capacity) decode gathers from the pool instead.
+The arrays grow by steps and are kept; when growing them would pass `max_bytes`, the
+batch is restaged in arrays that fit it exactly, and past that decode gathers from the
+pool instead.
 """
 
 from typing import Dict, List, Optional, Sequence as Seq, Tuple
@@ -25,6 +27,10 @@ from .paged_cache import BatchLayout
 
 CAPACITY_STEP = 256  # positions added at a time, as mlx-lm's KVCache
 SLOT_STEP = 8  # slots added at a time
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 def _grow(a: mx.array, axis: int, size: int) -> mx.array:
@@ -110,6 +116,7 @@ class DecodeStaging:
         self._slot: Dict[tuple, int] = {}  # row key -> slot
         self._pos: Dict[tuple, int] = {}  # row key -> position it wrote last
         self.num_staged = self.num_gathered = 0  # decode steps that read each
+        self.num_restaged = 0  # staged steps that first copied the whole batch in from the pool
         self.num_joined = self.num_moved = 0  # rows copied in: from the pool, from another slot
 
     @staticmethod
@@ -124,15 +131,17 @@ class DecodeStaging:
         of rows that left; rows that join (or come back after a gap) take the slots after.
         """
         B = len(decode)
-        capacity = -(-(max(p for _, p in decode) + 1) // CAPACITY_STEP) * CAPACITY_STEP
-        slots = -(-B // SLOT_STEP) * SLOT_STEP
-        cur = self.current
-        if cur is not None:
-            slots, capacity = max(slots, cur.slots), max(capacity, cur.capacity)
-        if slots * capacity * self.bytes_per_position > self.max_bytes:
+        shape = self._shape(B, max(p for _, p in decode) + 1)
+        if shape is None:
             self.reset()
             self.num_gathered += 1
             return list(decode), None
+        slots, capacity = shape
+        cur = self.current
+        if cur is not None and (slots < cur.slots or capacity < cur.capacity):
+            self.reset()  # restaged smaller: every row joins from the pool
+            self.num_restaged += 1
+            cur = None
         keys = [self._key(s) for s, _ in decode]
         going = [i for i, (k, (_, p)) in enumerate(zip(keys, decode)) if self._pos.get(k) == p - 1]
         joining = [i for i in range(B) if self._pos.get(keys[i]) != decode[i][1] - 1]
@@ -163,6 +172,28 @@ class DecodeStaging:
         self.num_joined += len(joining)
         self.num_moved += len(moves)
         return ordered, cur
+
+    def _shape(self, rows: int, positions: int) -> Optional[Tuple[int, int]]:
+        """Slots and capacity for this step: the current arrays, grown where the batch
+        needs it and rounded up as far as `max_bytes` allows; when that passes the cap,
+        arrays that fit just this batch (a smaller rectangle: the arrays only grow while
+        kept); None when even those pass it."""
+        cur = self.current
+        if cur is not None and rows <= cur.slots and positions <= cur.capacity:
+            return cur.slots, cur.capacity
+        budget = self.max_bytes // self.bytes_per_position  # positions
+        spare = (budget / (rows * positions)) ** 0.5
+        bases = [(cur.slots, cur.capacity)] if cur is not None else []
+        for base_slots, base_capacity in bases + [(0, 0)]:
+            slots, capacity = max(base_slots, rows), max(base_capacity, positions)
+            if slots * capacity > budget:
+                continue
+            # Room to spare is split alike between more rows and longer ones, so that near the cap
+            # neither a join nor the longest row's next position has to restage at once.
+            slots = max(slots, min(_round_up(rows, SLOT_STEP), int(rows * spare), budget // capacity))
+            capacity = max(capacity, min(_round_up(positions, CAPACITY_STEP), budget // slots))
+            return slots, capacity
+        return None
 
     def reset(self) -> None:
         self.current, self._slot, self._pos = None, {}, {}

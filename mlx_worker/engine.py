@@ -240,6 +240,7 @@ class Engine:
             "failed_steps": self.num_failed_steps,
             "decode_steps_staged": worker.staging.num_staged,
             "decode_steps_gathered": worker.staging.num_gathered,
+            "decode_steps_restaged": worker.staging.num_restaged,  # of the staged: smaller arrays, all rows copied in
             "host_ms_per_step": 1e3 * self._host_s / steps,
             "graph_build_ms_per_step": 1e3 * worker.build_s / steps,  # of host_ms: the model's own code
             "device_ms_per_step": 1e3 * worker.device_s / steps,

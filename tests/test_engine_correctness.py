@@ -131,3 +131,37 @@ def test_rows_join_and_leave_a_running_decode_batch(model, decode_kv):
     else:
         assert staging.num_staged == 0
     eng.shutdown()
+
+
+
+def test_batch_is_restaged_smaller_rather_than_gathered_under_a_tight_cap(model, decode_kv):
+    """A staging cap that holds ten rows only in arrays of their exact size: a long row
+    decodes alone (arrays rounded up to 256 positions), then nine short ones join. The
+    batch is restaged in smaller arrays instead of gathered, and tokens stay mlx-lm's."""
+    if not decode_kv:
+        pytest.skip("staging is off")
+    eng = engine(model, max_total_tokens=8192)
+    staging = eng.worker.staging
+    staging.max_bytes = staging.bytes_per_position * 10 * 200
+    long, shorts = prompts(1, 150, 151, seed=9)[0], prompts(9, 12, 13, seed=10)
+
+    async def main():
+        def run(rid, p, n):
+            return collect(eng, Request(rid=rid, prompt_ids=p, params=SamplingParams(
+                max_tokens=n, ignore_eos=True, temperature=0.0)))
+        gen = eng.generate(Request(rid="long", prompt_ids=long, params=SamplingParams(
+            max_tokens=45, ignore_eos=True, temperature=0.0)))
+        first = await gen.__anext__()  # the long row decodes alone, then the short ones join it
+        rest = asyncio.gather(*[run(f"s{i}", p, 16) for i, p in enumerate(shorts)])
+        toks = list(first.token_ids)
+        async for out in gen:
+            toks += out.token_ids
+        return toks, [t for t, _ in await rest]
+
+    long_toks, short_toks = asyncio.run(main())
+    assert long_toks == reference_greedy(model, long, 45)
+    for p, toks in zip(shorts, short_toks):
+        assert toks == reference_greedy(model, p, 16)
+    assert staging.num_gathered == 0 and staging.num_restaged > 0
+    assert eng.stats()["decode_steps_restaged"] == staging.num_restaged
+    eng.shutdown()
