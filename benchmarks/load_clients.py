@@ -20,6 +20,7 @@ class LoadResult:
     errors: List[str] = field(default_factory=list)
     stats_latencies: List[float] = field(default_factory=list)
     output_tokens: int = 0
+    refusals: int = 0  # 429 answers (the openai client retries them after Retry-After, twice)
 
 
 def prompt_words(rng: random.Random) -> str:
@@ -51,7 +52,12 @@ async def one_request(client: AsyncOpenAI, model: str, rng: random.Random, res: 
 
 async def client_loop(base: str, seed: int, until: float, res: LoadResult, timeout: float) -> None:
     rng = random.Random(seed)
-    client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", timeout=timeout, max_retries=0)
+    async def count_refusals(response: httpx.Response) -> None:
+        res.refusals += response.status_code == 429
+
+    http = httpx.AsyncClient(timeout=timeout, event_hooks={"response": [count_refusals]})
+    # The openai client's own retries (2, after Retry-After), as its users have them.
+    client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", timeout=timeout, http_client=http)
     try:
         model = (await client.models.list()).data[0].id
         while time.monotonic() < until:

@@ -58,7 +58,8 @@ def main():
         st = httpx.get(f"{base}/v1/stats", timeout=60).json()["replica"]
     lat, sl = res.latencies, res.stats_latencies
     print(f"\n## deploy/app.yaml, {a.loops} client loops for {a.seconds:.0f} s")
-    print(f"requests completed {len(lat)}, failed {len(res.errors)}; output tokens {res.output_tokens}")
+    print(f"requests completed {len(lat)}, failed {len(res.errors)}; output tokens {res.output_tokens}; "
+          f"429 answers {res.refusals} (the openai client retries each twice, after Retry-After)")
     print(f"latency s: p50 {statistics.median(lat):.1f}  p95 {pct(lat, 0.95):.1f}  max {max(lat):.1f}  "
           f"(over 60 s: {sum(x > 60 for x in lat)})")
     print(f"/v1/stats ms: p50 {1e3 * statistics.median(sl):.0f}  p95 {1e3 * pct(sl, 0.95):.0f}  max {1e3 * max(sl):.0f}")

@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten
 from pydantic import BaseModel, Field
 
 from .activations import activation_budget
+from .admission import Admission
 from .batch_probe import probe_batching
 from .kv_pool import KVPool, kv_bytes_per_token, kv_budget, pool_pages
 from .loader import load_model, load_sharded
@@ -47,6 +48,7 @@ class EngineConfig(BaseModel):
     pipeline_parallel_size: int = Field(1, ge=1)  # or: ranks each with a run of whole layers (ranks.py)
     distributed_backend: Literal[BACKENDS] = "ring"  # ring: TCP over Ethernet or Thunderbolt IP; jaccl: RDMA
     rdma_devices: Optional[List[List[Optional[str]]]] = None  # jaccl: rank i's RDMA device to rank j (ranks.py)
+    max_queue_wait_s: Optional[float] = Field(None, gt=0)  # refuse (overloaded) a request whose prompt would wait longer (admission.py)
 
 
 class Engine:
@@ -93,6 +95,8 @@ class Engine:
                              int(config.decode_staging_fraction * budget), self.snapshots, self.batching)
         self.kv_bytes_per_token = kv_bytes_per_token(tree.kv, tree.kv_dtype)
         self.state_bytes_per_request = tree.state_bytes
+        self.admission = Admission(config.max_queue_wait_s)
+        self._last_finish = 0.0  # when the last step finished (perf_counter)
         self.num_steps = 0
         self.num_failed_steps = 0
         self._grammars = None
@@ -241,6 +245,9 @@ class Engine:
             "decode_steps_staged": worker.staging.num_staged,
             "decode_steps_gathered": worker.staging.num_gathered,
             "decode_steps_restaged": worker.staging.num_restaged,  # of the staged: smaller arrays, all rows copied in
+            "queued_prefill_tokens": (queued := sched.queued_prefill_tokens()),
+            "queue_wait_s": self.admission.wait_s(queued),  # the queued prefill at the measured rate; None: not yet
+            "refused_overloaded": self.admission.num_refused,
             "host_ms_per_step": 1e3 * self._host_s / steps,
             "graph_build_ms_per_step": 1e3 * worker.build_s / steps,  # of host_ms: the model's own code
             "device_ms_per_step": 1e3 * worker.device_s / steps,
@@ -327,6 +334,7 @@ class Engine:
                 plan = self.scheduler.schedule()
                 if plan:
                     inflight.append(self.worker.launch(plan))
+                    inflight[-1].launched_at = t
                     launched = True
                     self.num_steps += 1
                 self._deliver(self.scheduler.drain_outputs())
@@ -377,6 +385,9 @@ class Engine:
 
     def _finish_step(self, step) -> None:
         tokens = self.worker.finalize(step)
+        now = time.perf_counter()  # steps overlap: this one's time runs from the last one's end
+        self.admission.observe(now - max(self._last_finish, step.launched_at), sum(c.length for c in step.plan.prefills))
+        self._last_finish = now
         outputs = self.scheduler.process(step.plan, tokens)
         self._publish_stats()
         self._deliver(outputs)
@@ -404,6 +415,10 @@ class Engine:
             if cmd == "add":
                 seq = Sequence.from_request(arg[0], self.config.page_size)
                 seq.matcher = arg[1]
+                out = self.admission.refuse(seq, self.scheduler)
+                if out is not None:  # never scheduled: the followers need not know
+                    outputs.append(out)
+                    continue
                 out = self.scheduler.add(seq)
                 arg = (arg[0], seq.seed)
             elif cmd == "abort":

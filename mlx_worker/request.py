@@ -39,6 +39,7 @@ class RequestOutput:
     index: int = 0  # which of the request's n samples
     text: str = ""  # new text (filled in by the engine facade)
     stop_reason: Optional[Union[str, int]] = None  # the stop string or token that matched
+    retry_after_s: Optional[float] = None  # refused as overloaded: when a retry may be admitted
 
 
 class Status(Enum):
@@ -86,6 +87,7 @@ class Sequence:
     hidden_sum: Optional[mx.array] = None  # mean pooling: the sum of the prompt's final hidden states so far
     embedding: Optional[List[float]] = None
     branch_point: int = 0  # where its prompt leaves an earlier one's cached pages: snapshot there
+    uncached_estimate: Optional[int] = None  # tokens to compute, as the prefix cache stood at arrival (admission.py)
 
     def __post_init__(self):
         self.num_tokens = len(self.tokens)

@@ -83,6 +83,20 @@ class Scheduler:
         self._finish(seq, "error")
         return self._output(seq, [], "error", message, code="engine_error")
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: of the waiting requests (less what the prefix
+        cache holds of them now) and of the running ones still in prefill."""
+        waiting = sum(self.uncached_tokens(s) for s in self.waiting)
+        return waiting + sum(s.num_tokens - s.num_computed for s in self.running if s.next_input is None)
+
+    def uncached_tokens(self, seq: Sequence) -> int:
+        if seq.pages:
+            return seq.num_tokens - seq.num_computed
+        if seq.uncached_estimate is None:
+            hashes = seq.full_page_hashes((seq.num_tokens - 1) // self.page_size)
+            seq.uncached_estimate = seq.num_tokens - self.pages.cached_depth(hashes) * self.page_size
+        return seq.uncached_estimate
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

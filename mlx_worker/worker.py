@@ -26,6 +26,7 @@ class InFlightStep:
     result: Optional[SampleResult]  # one token per sampling row, still lazy
     prompt: List[tuple] = field(default_factory=list)  # (seq, start, logprobs, top ids, top logprobs) of prompt scoring
     embeddings: List[tuple] = field(default_factory=list)  # (seq, vector) of embedding requests
+    launched_at: float = 0.0  # perf_counter when the engine started building it
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import math
 import time
 import weakref
 from pathlib import Path
@@ -266,6 +267,9 @@ class Ingress:
             except BackPressureError:
                 if i == len(groups) - 1:
                     raise _overloaded(self.args.retry_after_s)
+            except P.ProtocolError as e:  # the replica refused it for its queued work
+                if e.code != "overloaded" or i == len(groups) - 1:
+                    raise
 
     async def _start_in(self, group: str, payload: dict, hashes: List[int]):
         stream = self.generate[group].remote(payload)
@@ -418,7 +422,9 @@ def _piece(parser: Optional[OutputParser], out) -> Parsed:
 
 def _engine_error(out) -> "P.ProtocolError":
     """The engine ended the request with an error: the client's (a prompt the KV pool can
-    never hold) is a 400, anything else a 500."""
+    never hold) is a 400, a refusal for queued work a 429, anything else a 500."""
+    if out.error_code == "overloaded":
+        return _overloaded(max(1, math.ceil(out.retry_after_s or 0)), out.error)
     status = 400 if out.error_code == "context_length_exceeded" else 500
     return P.ProtocolError(out.error or "request failed", code=out.error_code, status=status)
 
@@ -428,8 +434,8 @@ def _replica_failed(e: Exception) -> "P.ProtocolError":
                            code="replica_failed", status=503)
 
 
-def _overloaded(retry_after: int) -> "P.ProtocolError":
-    e = P.ProtocolError("the server is overloaded; retry later", code="overloaded", status=429)
+def _overloaded(retry_after: int, message: str = "the server is overloaded; retry later") -> "P.ProtocolError":
+    e = P.ProtocolError(message, code="overloaded", status=429)
     e.headers = {"Retry-After": str(retry_after)}
     return e
 

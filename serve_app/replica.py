@@ -46,6 +46,12 @@ class ReplicaMetrics:
                               description="Decode steps that read the batch's KV from its dense staged copy.")
         self.gathered = Counter("macfarm_decode_steps_gathered",
                                 description="Decode steps that gathered the batch's KV from the pool (staging over its cap).")
+        self.restaged = Counter("macfarm_decode_steps_restaged",
+                                description="Staged decode steps that first copied the whole batch in (arrays rebuilt smaller).")
+        self.refused = Counter("macfarm_requests_refused_overloaded",
+                               description="Requests refused (429) because their prompt would wait past max_queue_wait_s.")
+        self.queue_wait = Gauge("macfarm_queue_wait_seconds",
+                                description="The queued prompt tokens at the measured prefill rate (admission.py).")
         self.host_ms = Gauge("macfarm_host_ms_per_step",
                              description="Engine-thread work per step that is not device dispatch or wait, ms (since start).")
         self.running = Gauge("macfarm_running_requests", description="Requests in the engine's running batch.")
@@ -53,7 +59,8 @@ class ReplicaMetrics:
         self.kv_used = Gauge("macfarm_kv_pages_used_fraction", description="Fraction of KV pool pages in use.")
         self.hit_rate = Gauge("macfarm_prefix_cache_hit_rate",
                               description="Prompt tokens found in the prefix cache / prompt tokens looked up, since start.")
-        self._seen = {"preemptions": 0, "evictions": 0, "decode_steps_staged": 0, "decode_steps_gathered": 0}
+        self._seen = {"preemptions": 0, "evictions": 0, "decode_steps_staged": 0, "decode_steps_gathered": 0,
+                      "decode_steps_restaged": 0, "refused_overloaded": 0}
 
     def update(self, st: Dict[str, Any]) -> None:
         """Gauges (and counters of cumulative engine totals) from `engine.stats()`."""
@@ -62,8 +69,10 @@ class ReplicaMetrics:
         self.kv_used.set(st["kv_pages_used"] / max(1, st["kv_pages_total"]))
         self.hit_rate.set(st["prefix_hit_tokens"] / max(1, st["prefix_query_tokens"]))
         self.host_ms.set(st["host_ms_per_step"])
+        self.queue_wait.set(st["queue_wait_s"] or 0.0)
         for key, counter in (("preemptions", self.preemptions), ("evictions", self.evictions),
-                             ("decode_steps_staged", self.staged), ("decode_steps_gathered", self.gathered)):
+                             ("decode_steps_staged", self.staged), ("decode_steps_gathered", self.gathered),
+                             ("decode_steps_restaged", self.restaged), ("refused_overloaded", self.refused)):
             delta = st[key] - self._seen[key]
             if delta > 0:
                 counter.inc(delta)

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -22,6 +23,8 @@ def served(tmp_path_factory):
         run_app(base, "main", "/", model=path, model_name="tiny", engine=ENGINE, router="pow2", api_key=KEY)
         run_app(base, "small", "/small", model=path, model_name="tiny", engine=ENGINE, router="pow2",
                 max_ongoing_requests=1, max_queued_requests=1)
+        run_app(base, "strict", "/strict", model=path, model_name="tiny", router="pow2",
+                engine={**ENGINE, "max_batched_tokens": 2, "max_queue_wait_s": 1e-9})  # no queue is short enough
         run_app(base, "hybrid", "/hybrid", model=str(tiny_model_dir(tmp_path_factory, "qwen3_next")),
                 model_name="tiny-hybrid", engine=ENGINE, router="pow2")
         model, tok = mlx_load(path)
@@ -246,6 +249,36 @@ def test_overload_gives_429_with_retry_after(served):
             assert r.headers["retry-after"] == "1" and _err(r)["type"] == "rate_limit_error"
         else:
             assert r.json()["choices"][0]["text"]  # the admitted ones are served in full
+
+
+def test_a_replica_over_its_queue_wait_refuses_with_429_and_retry_after(served):
+    """The engine refuses a request that would wait past max_queue_wait_s behind queued
+    prompts: the client gets 429 + Retry-After in its API's error shape, before any
+    stream starts, and the request already taken is served in full."""
+    url = f"{served[0]}/strict/v1"
+
+    def stats():
+        return httpx.get(f"{url}/stats", timeout=10).json()["replica"]
+
+    with ThreadPoolExecutor(1) as pool:  # ~900 prompt tokens, 2 a step: in prefill for about a second
+        long = pool.submit(httpx.post, f"{url}/completions", timeout=120,
+                           json={"prompt": "word " * 900, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        while stats()["steps"] < 2:  # a step with prefill has been measured
+            time.sleep(0.005)
+        r = httpx.post(f"{url}/completions", timeout=60, json={"prompt": "hi again", "max_tokens": 4})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        err = _err(r)
+        assert err["type"] == "rate_limit_error" and err["code"] == "overloaded"
+        assert "overloaded" in err["message"] and "queued prompt tokens" in err["message"]
+        r = httpx.post(f"{url}/chat/completions", timeout=60,
+                       json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
+        assert r.status_code == 429 and _err(r)["code"] == "overloaded"
+        r = httpx.post(f"{url}/messages", timeout=60,
+                       json={"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        assert long.result().status_code == 200 and long.result().json()["usage"]["completion_tokens"] == 4
+    st = stats()
+    assert st["refused_overloaded"] == 3 and st["running"] == 0 and st["kv_pages_used"] == 0
 
 
 def test_client_disconnect_aborts_the_request(served):

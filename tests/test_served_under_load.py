@@ -40,7 +40,7 @@ def test_default_app_under_16_client_loops(tmp_path):
     lat, st = sorted(res.latencies), sorted(res.stats_latencies)
     print(f"\n{len(lat)} requests, latency p50 {statistics.median(lat):.1f} s max {lat[-1]:.1f} s, "
           f"{res.output_tokens} output tokens; /v1/stats p50 {1e3 * statistics.median(st):.0f} ms "
-          f"max {1e3 * st[-1]:.0f} ms; engine {stats}")
+          f"max {1e3 * st[-1]:.0f} ms; {res.refusals} answers 429 (retried); engine {stats}")
     assert not res.errors, res.errors[:5]
     assert len(lat) >= LOOPS  # every loop finished at least one request
     assert lat[-1] < MAX_LATENCY_S, f"slowest request took {lat[-1]:.1f} s"
