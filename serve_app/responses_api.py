@@ -10,7 +10,6 @@ are refused.
 
 import json
 import time
-import uuid
 from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Union
 
 from openai.types.responses import (Response, ResponseCompletedEvent, ResponseContentPartAddedEvent,
@@ -27,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mlx_worker.request import RequestOutput
 
 from .chat_api import ChatCompletionRequest
-from .openai_common import merge_outputs
+from .openai_common import merge_outputs, random_id
 from .output_parser import CallPiece, Parsed
 from .tools import ToolCall
 
@@ -149,7 +148,7 @@ def _add_item(messages: List[Dict[str, Any]], item: Dict[str, Any]) -> None:
 
 # --- response -----------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+    return random_id(prefix, "_")  # OpenAI's response and item ids take "_"
 
 
 def _usage(out: RequestOutput) -> ResponseUsage:
