@@ -335,6 +335,7 @@ def run_host(engine, model, args):
     rows = []
     for n in args.host_rows:
         target = 2.0 if n <= 32 else 4.0 * n / 128
+        measured = {}
         for overlap in (True, False):
             engine.config.overlap = overlap
             before = counters(engine)
@@ -346,6 +347,10 @@ def run_host(engine, model, args):
                   f"the engine's share {share:.2f} ms (target <= {target:.1f})")
             rows.append({"scenario": f"host {n}{'' if overlap else ' seq'}", "host": d["host_ms_per_step"],
                          "share": share})
+            measured[overlap] = (d["build_ms_per_step"], share)
+        (build_on, share_on), (build_off, share_off) = measured[True], measured[False]
+        print(f"      overlap on / off: mlx-lm's graph build x{build_on / build_off:.2f}, the engine's share "
+              f"x{share_on / share_off:.2f}")
         engine.config.overlap = True
         print(f"      mlx-lm's own graph build for {n} rows (its KV cache, nothing else running): "
               f"{graph_build_ms(model, n):.2f} ms")
