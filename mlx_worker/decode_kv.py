@@ -181,6 +181,8 @@ class DecodeStaging:
         cur = self.current
         if cur is not None and rows <= cur.slots and positions <= cur.capacity:
             return cur.slots, cur.capacity
+        if not self.bytes_per_position:  # no attention layers (a recurrent model): nothing to copy
+            return _round_up(rows, SLOT_STEP), _round_up(positions, CAPACITY_STEP)
         budget = self.max_bytes // self.bytes_per_position  # positions
         spare = (budget / (rows * positions)) ** 0.5
         bases = [(cur.slots, cur.capacity)] if cur is not None else []
