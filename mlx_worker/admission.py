@@ -13,7 +13,7 @@ It bounds the wait for prompt processing only: a queue held up by long generatio
 
 from typing import Optional
 
-from .request import RequestOutput, Sequence, Status
+from .request import RequestOutput, Sequence
 from .scheduler import Scheduler
 
 DECAY = 0.9  # per measured step: the estimate follows a change of load within ~10 steps
@@ -50,9 +50,8 @@ class Admission:
         if wait <= self.max_queue_wait_s:
             return None
         self.num_refused += 1
-        seq.status = Status.FINISHED
-        return RequestOutput(
-            rid=seq.rid, token_ids=[], finished=True, finish_reason="error", error_code="overloaded",
-            error=f"the server is overloaded: this request would wait about {wait:.0f} s behind {queued} queued "
-                  f"prompt tokens (the limit is {self.max_queue_wait_s:g} s); retry later",
-            retry_after_s=wait - self.max_queue_wait_s, num_prompt_tokens=seq.num_prompt)
+        out = scheduler.refusal(seq, f"the server is overloaded: this request would wait about {wait:.0f} s behind "
+                                     f"{queued} queued prompt tokens (the limit is {self.max_queue_wait_s:g} s); "
+                                     "retry later", "overloaded")
+        out.retry_after_s = wait - self.max_queue_wait_s
+        return out

@@ -59,15 +59,18 @@ class Scheduler:
         """Queue a request; an immediate error output if it can never fit."""
         capacity = self.pages.num_pages * self.page_size
         if seq.num_tokens + 1 > capacity:
-            seq.status = Status.FINISHED
-            return self._output(seq, [], "error", f"prompt of {seq.num_tokens} tokens exceeds the KV pool ({capacity} tokens)",
-                                code="context_length_exceeded")
+            return self.refusal(seq, f"prompt of {seq.num_tokens} tokens exceeds the KV pool ({capacity} tokens)",
+                                "context_length_exceeded")
         if seq.rid in self.by_rid:
-            seq.status = Status.FINISHED
-            return self._output(seq, [], "error", f"duplicate request id {seq.rid!r}", code="duplicate_request_id")
+            return self.refusal(seq, f"duplicate request id {seq.rid!r}", "duplicate_request_id")
         self.by_rid[seq.rid] = seq
         self.waiting.append(seq)
         return None
+
+    def refusal(self, seq: Sequence, message: str, code: str) -> RequestOutput:
+        """The error output that ends a request never queued."""
+        seq.status = Status.FINISHED
+        return self._output(seq, [], "error", message, code=code)
 
     def abort(self, rid: str) -> Optional[RequestOutput]:
         seq = self.by_rid.get(rid)
