@@ -330,28 +330,37 @@ def run_host(engine, model, args):
     the model's graph is mlx-lm's code (the engine's `graph_build_ms_per_step`; mlx-lm's
     own loop's build time is printed beside it); the rest is the engine's share. With
     overlap the next step is built while the forward runs on the same two cores, which
-    slows both; without overlap the host work runs alone, as it would beside a GPU."""
-    print("\n## Host work per decode step (engine thread, device time excluded)")
+    slows both; without overlap the host work runs alone, as it would beside a GPU.
+    Runs with overlap on and off alternate, --repeat times; medians are printed, with
+    the spread (a sub-millisecond figure moves with whatever else the CPU and glibc's
+    allocator are doing)."""
+    print(f"\n## Host work per decode step (engine thread, device time excluded; median of {args.repeat})")
     rows = []
     for n in args.host_rows:
         target = 2.0 if n <= 32 else 4.0 * n / 128
+        runs = {True: [], False: []}
+        for r in range(args.repeat):
+            for overlap in (True, False):
+                engine.config.overlap = overlap
+                before = counters(engine)
+                bench_engine(engine, prompts(n, 16, seed=60000 + n), 64, f"host{n}{overlap}{r}")
+                d = since(before, engine)
+                runs[overlap].append((d["host_ms_per_step"], d["build_ms_per_step"]))
+        engine.config.overlap = True
         measured = {}
         for overlap in (True, False):
-            engine.config.overlap = overlap
-            before = counters(engine)
-            bench_engine(engine, prompts(n, 16, seed=60000 + n), 64, f"host{n}{overlap}")
-            d = since(before, engine)
-            share = d["host_ms_per_step"] - d["build_ms_per_step"]
-            print(f"{n:>4} rows, overlap {'on ' if overlap else 'off'}: {d['host_ms_per_step']:.2f} ms/step over "
-                  f"{d['steps']} steps; of it building the model's graph {d['build_ms_per_step']:.2f} ms, "
-                  f"the engine's share {share:.2f} ms (target <= {target:.1f})")
-            rows.append({"scenario": f"host {n}{'' if overlap else ' seq'}", "host": d["host_ms_per_step"],
-                         "share": share})
-            measured[overlap] = (d["build_ms_per_step"], share)
+            host = statistics.median(h for h, _ in runs[overlap])
+            build = statistics.median(b for _, b in runs[overlap])
+            shares = sorted(h - b for h, b in runs[overlap])
+            share = statistics.median(shares)
+            print(f"{n:>4} rows, overlap {'on ' if overlap else 'off'}: {host:.2f} ms/step; of it building the model's "
+                  f"graph {build:.2f} ms, the engine's share {share:.2f} ms (runs {shares[0]:.2f}-{shares[-1]:.2f}; "
+                  f"target <= {target:.1f})")
+            rows.append({"scenario": f"host {n}{'' if overlap else ' seq'}", "host": host, "share": share})
+            measured[overlap] = (build, share)
         (build_on, share_on), (build_off, share_off) = measured[True], measured[False]
         print(f"      overlap on / off: mlx-lm's graph build x{build_on / build_off:.2f}, the engine's share "
               f"x{share_on / share_off:.2f}")
-        engine.config.overlap = True
         print(f"      mlx-lm's own graph build for {n} rows (its KV cache, nothing else running): "
               f"{graph_build_ms(model, n):.2f} ms")
     return rows
@@ -464,7 +473,7 @@ def parse_args():
     sized("--output-len", "uniform output tokens", type=int)
     sized("--concurrency", "uniform concurrencies", type=int, nargs="+")
     sized("--prefix-len", "cached-prefix tokens (and the prefill prompt)", type=int)
-    sized("--repeat", "runs per uniform system and mixed-step case; medians are printed", type=int)
+    sized("--repeat", "runs per uniform system, mixed-step case and host-work setting; medians are printed", type=int)
     sized("--requests", "churn requests", type=int)
     sized("--rate", "churn arrivals per second", type=float)
     sized("--churn-prompt", "churn prompt tokens, LO HI", type=int, nargs=2)
