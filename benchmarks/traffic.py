@@ -70,3 +70,13 @@ def summarize(trace: Trace) -> dict:
         "in_flight": sum(t[-1] - a for a, t in done) / span,
         "span": span,
     }
+
+
+def full_batch_itl(trace: Trace) -> List[float]:
+    """Gaps between a request's consecutive tokens while every request decodes: from the
+    last first token to the first last token. An engine that starts rows as their prefills
+    finish ends them one by one too; outside this window its batch is smaller than the
+    peer's, so only inside it do both decode the same rows at the same contexts."""
+    start = max(t[0] for t in trace.tokens if t)
+    end = min(t[-1] for t in trace.tokens if t)
+    return [y - x for t in trace.tokens for x, y in zip(t, t[1:]) if start <= x and y <= end]
