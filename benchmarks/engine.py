@@ -297,10 +297,13 @@ def run_long(engine, model, args):
     rows = []
     for n in args.long_lens:
         sched = [Arrival(0.0, p, args.long_output) for p in prompts(args.long_n, n, seed=30000 + n)]
-        bg = batch_generator_schedule(model, sched)
+        if not args.long_engine_first:
+            bg = batch_generator_schedule(model, sched)
         before = counters(engine)
         en = engine_schedule(engine, sched, f"long{n}")
         d = since(before, engine)
+        if args.long_engine_first:
+            bg = batch_generator_schedule(model, sched)
         stats = {}
         for name, trace in (("mlx-lm BatchGenerator", bg), ("macfarm engine", en)):
             s = stats[name] = {**summarize(trace), **after_first(trace), "step": statistics.median(full_batch_itl(trace))}
@@ -496,6 +499,9 @@ def parse_args():
     sized("--long-lens", "long-context prompt lengths (e.g. drop 8192)", type=int, nargs="+")
     sized("--long-n", "long-context prompts per length", type=int)
     sized("--long-output", "long-context output tokens", type=int)
+    ap.add_argument("--long-engine-first", action="store_true",
+                    help="long context: run the engine before BatchGenerator (a 4 x 8,192 run takes ~30 min, "
+                         "and the box's speed drifts over that long; run both orders to see the drift)")
     sized("--mixed-len", "mixed-step prompt tokens n (n + n+1 vs n + n)", type=int)
     sized("--host-rows", "decode batch sizes for the host-work section", type=int, nargs="+")
     args = ap.parse_args()
