@@ -290,7 +290,9 @@ def run_churn(engine, model, args):
 
 
 def run_long(engine, model, args):
-    print(f"\n## Long context ({args.long_n} prompts at once, {args.long_output} output tokens each, greedy)")
+    first = "engine" if args.long_engine_first else "BatchGenerator"
+    print(f"\n## Long context ({args.long_n} prompts at once, {args.long_output} output tokens each, greedy; "
+          f"{first} runs first)")
     print("decode: tok/s after every request has its first token; full-batch step: median gap between a "
           "request's tokens while all of them decode")
     print(f"{'prompt':>7}  {'system':<24}{'e2e tok/s':>10}{'decode tok/s':>14}{'full-batch step ms':>20}")
