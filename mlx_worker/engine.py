@@ -106,6 +106,7 @@ class Engine:
         self._outbox: Dict[asyncio.AbstractEventLoop, list] = {}  # outputs not yet handed to their loops
         self.worker.before_device = self._flush_outbox
         self._host_s = 0.0  # engine-thread time per step that is not spent waiting for the device
+        self._host_cpu_s = 0.0  # the same span in the thread's CPU time: without the waits for a free core
         self._hashes_version, self._hashes_at = -1, 0.0
         self._memory = self._memory_budget(weights)
         self._stats: dict = {}
@@ -250,6 +251,8 @@ class Engine:
             "refused_overloaded": self.admission.num_refused,
             "host_ms_per_step": 1e3 * self._host_s / steps,
             "graph_build_ms_per_step": 1e3 * worker.build_s / steps,  # of host_ms: the model's own code
+            "host_cpu_ms_per_step": 1e3 * self._host_cpu_s / steps,  # host_ms in CPU time: no waits for a core
+            "graph_build_cpu_ms_per_step": 1e3 * worker.build_cpu_s / steps,
             "device_ms_per_step": 1e3 * worker.device_s / steps,
             "cached_page_hashes": hashes,
             "ranks": self.ranks.size if self.ranks else 1,  # Macs this engine spans
@@ -325,8 +328,8 @@ class Engine:
         while not self._stop.is_set():
             idle = not inflight and not self.scheduler.has_work()
             self._apply_commands(block=idle)
-            t = time.perf_counter()
-            wait = self.worker.device_s
+            t, c = time.perf_counter(), time.thread_time()
+            wait, wait_cpu = self.worker.device_s, self.worker.device_cpu_s
             plan, launched = None, False
             try:
                 if inflight and self.scheduler.needs_sync():
@@ -353,6 +356,7 @@ class Engine:
                 self._recover(inflight, plan if plan and not launched else None, e)
             if plan:
                 self._host_s += time.perf_counter() - t - (self.worker.device_s - wait)
+                self._host_cpu_s += time.thread_time() - c - (self.worker.device_cpu_s - wait_cpu)
             if not inflight:  # no device wait ahead to hand the outputs over in
                 self._flush_outbox()
 

@@ -72,6 +72,7 @@ class Worker:
         self._busy = False  # work dispatched that the device may not have finished
         self.device_s = 0.0  # time spent dispatching to and waiting for the device (the rest is host work)
         self.build_s = 0.0  # of the host work: building the model's graph (mlx-lm's code, not the engine's)
+        self.device_cpu_s = self.build_cpu_s = 0.0  # the same spans in this thread's CPU time
         self.before_device: Optional[Callable[[], None]] = None  # called before each dispatch or wait
 
     def launch(self, plan: StepPlan) -> InFlightStep:
@@ -141,9 +142,10 @@ class Worker:
         the recurrent states it leaves in the sequences (still lazy)."""
         state_caches = self.states.caches([s.state for s in seqs]) if self.states else []
         caches = forward_caches(self.tree, self.pool, layout, state_caches, staged)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         out = self.split[0](inputs, caches) if body_only else self.model(inputs, cache=caches)
         self.build_s += time.perf_counter() - t
+        self.build_cpu_s += time.thread_time() - c
         if not state_caches:
             return out, []
         batch = RecurrentStates.collect(state_caches)
@@ -224,9 +226,10 @@ class Worker:
         # thread once ~100 tasks are queued, so on a CPU an async_eval is mostly the forward.
         if self.before_device is not None:
             self.before_device()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         call(*args)
         self.device_s += time.perf_counter() - t
+        self.device_cpu_s += time.thread_time() - c
 
     def _row(self, seq: Sequence, step: int) -> SamplerRow:
         seq.init_sampling_state(self.vocab)

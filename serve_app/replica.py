@@ -54,6 +54,8 @@ class ReplicaMetrics:
                                 description="The queued prompt tokens at the measured prefill rate (admission.py).")
         self.host_ms = Gauge("macfarm_host_ms_per_step",
                              description="Engine-thread work per step that is not device dispatch or wait, ms (since start).")
+        self.host_cpu_ms = Gauge("macfarm_host_cpu_ms_per_step",
+                                 description="The same work in the engine thread's CPU time (no waits for a core), ms.")
         self.running = Gauge("macfarm_running_requests", description="Requests in the engine's running batch.")
         self.waiting = Gauge("macfarm_waiting_requests", description="Requests waiting for admission.")
         self.kv_used = Gauge("macfarm_kv_pages_used_fraction", description="Fraction of KV pool pages in use.")
@@ -69,6 +71,7 @@ class ReplicaMetrics:
         self.kv_used.set(st["kv_pages_used"] / max(1, st["kv_pages_total"]))
         self.hit_rate.set(st["prefix_hit_tokens"] / max(1, st["prefix_query_tokens"]))
         self.host_ms.set(st["host_ms_per_step"])
+        self.host_cpu_ms.set(st["host_cpu_ms_per_step"])
         self.queue_wait.set(st["queue_wait_s"] or 0.0)
         for key, counter in (("preemptions", self.preemptions), ("evictions", self.evictions),
                              ("decode_steps_staged", self.staged), ("decode_steps_gathered", self.gathered),

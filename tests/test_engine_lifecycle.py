@@ -167,6 +167,20 @@ def test_an_idle_engine_burns_no_cpu(model):
         eng.shutdown()
 
 
+def test_host_work_is_reported_in_wall_and_cpu_time(model):
+    """The engine thread's host work per step, in wall time and in its own CPU time (the
+    wall time less the waits for a core that the forward holds on a CPU device)."""
+    eng = Engine(EngineConfig(max_total_tokens=2048), model=model)
+    try:
+        run_requests(eng, [rand_prompt(64, s) for s in range(4)], 16)
+        st = eng.stats()
+    finally:
+        eng.shutdown()
+    slack = 0.01  # ms: the two clocks are read a few hundred ns apart
+    assert 0 < st["graph_build_cpu_ms_per_step"] <= st["graph_build_ms_per_step"] + slack
+    assert st["graph_build_cpu_ms_per_step"] < st["host_cpu_ms_per_step"] <= st["host_ms_per_step"] + slack
+
+
 def test_shutdown_returns_once_the_engine_thread_is_gone(model):
     """Its C++ thread-local destructors (MLX's compile cache) take the GIL after join();
     an interpreter that exits before they ran aborts the process."""

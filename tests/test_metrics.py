@@ -62,6 +62,7 @@ def test_replica_metrics_are_exported(served):
     assert find(totals, "macfarm_requests") >= REQUESTS
     assert find(totals, "macfarm_decode_steps_staged") > 0  # 8-token decodes: staged from their first step
     for gauge in ("macfarm_running_requests", "macfarm_waiting_requests", "macfarm_kv_pages_used_fraction",
-                  "macfarm_prefix_cache_hit_rate", "macfarm_host_ms_per_step", "macfarm_queue_wait_seconds"):
+                  "macfarm_prefix_cache_hit_rate", "macfarm_host_ms_per_step", "macfarm_host_cpu_ms_per_step",
+                  "macfarm_queue_wait_seconds"):
         assert find(totals, gauge) >= 0, (gauge, sorted(totals))
     print({k: v for k, v in sorted(totals.items()) if "bucket" not in k})
