@@ -53,17 +53,20 @@ class CacheTree:
         return sum(s.nbytes for s in self.states)
 
     def build(self, kv_cache: Callable[[int], object], state_cache: Callable[[int], object]) -> list:
-        def make(node):
-            kind, arg = node
-            if kind == "kv":
-                return kv_cache(arg)
-            if kind == "state":
-                return state_cache(arg)
-            if kind == "unused":
-                return mlx_cache.KVCache()
-            return mlx_cache.CacheList(*(make(n) for n in arg))
+        return [self._make(n, kv_cache, state_cache) for n in self.nodes]
 
-        return [make(n) for n in self.nodes]
+    def _make(self, node, kv_cache, state_cache):
+        # A method, not a nested function calling itself: that closure is a reference cycle,
+        # and it kept each forward's caches (the staged decode KV among them: GBs) alive
+        # until Python's cycle collector happened to run.
+        kind, arg = node
+        if kind == "kv":
+            return kv_cache(arg)
+        if kind == "state":
+            return state_cache(arg)
+        if kind == "unused":
+            return mlx_cache.KVCache()
+        return mlx_cache.CacheList(*(self._make(n, kv_cache, state_cache) for n in arg))
 
 
 def probe_caches(model) -> CacheTree:
