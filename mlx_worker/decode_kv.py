@@ -9,12 +9,16 @@ hands attention the first B slots, as mlx-lm's own KVCache hands out a slice.
 When the batch changes, only the change is copied: a joining row gathers its history
 from the pool into a free slot, and a leaving row's slot is refilled by moving the last
 row into it, so the batch stays the slots 0..B-1 (the worker orders the decode rows by
-slot). The copies are read in a dispatch of their own before the step (`edits`): a read
-of an array before a write to it in one graph makes MLX copy the whole array.
+slot). These copies run in dispatches of their own before the step (`edit`): a read of
+an array before a write to it in one graph makes MLX copy the whole array. They go a
+group of layers at a time, so what they hold in flight stays within `scratch_bytes`
+(the engine gives them the step's activation budget: no step runs beside them).
 
-The arrays grow by steps and are kept; when growing them would pass `max_bytes`, the
-batch is restaged in arrays that fit it exactly, and past that decode gathers from the
-pool instead.
+The arrays are kept while the batch fits them. When it outgrows them they are rebuilt,
+not grown: the old arrays go first and every row is gathered again from the pool, a
+group of layers at a time, so staging never holds more than `max_bytes` (growing by
+concatenation held the old and the new arrays at once, twice the cap). Past the cap
+decode gathers from the pool instead.
 """
 
 from typing import Dict, List, Optional, Sequence as Seq, Tuple
@@ -33,53 +37,54 @@ def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def _grow(a: mx.array, axis: int, size: int) -> mx.array:
-    shape = list(a.shape)
-    shape[axis] = size - a.shape[axis]
-    return mx.concatenate([a, mx.zeros(shape, a.dtype)], axis=axis)
-
-
 class DecodeKV:
     """The staged K/V of the decode batch; `update` is called by each layer's cache."""
 
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, slots: int, capacity: int):
         self.pool = pool
-        self.slots = self.capacity = 0
-        self.keys: List[mx.array] = []
-        self.values: List[mx.array] = []
-        for layer, s in enumerate(pool.specs):
-            self.keys.append(mx.zeros((0, s.n_kv_heads, 0, s.k_dim), pool.keys[layer].dtype))
-            self.values.append(mx.zeros((0, s.n_kv_heads, 0, s.v_dim), pool.values[layer].dtype))
+        self.slots, self.capacity = slots, capacity
+        # Zeros, not empty: attention multiplies the masked positions by 0, and 0 x NaN is NaN.
+        self.keys = [mx.zeros((slots, s.n_kv_heads, capacity, s.k_dim), pool.keys[i].dtype)
+                     for i, s in enumerate(pool.specs)]
+        self.values = [mx.zeros((slots, s.n_kv_heads, capacity, s.v_dim), pool.values[i].dtype)
+                       for i, s in enumerate(pool.specs)]
         self._heads = {h: mx.arange(h)[None, :] for h in {s.n_kv_heads for s in pool.specs}}
-        self._edits: Optional[list] = None
+        self._bytes_per_position = [s.n_kv_heads * (s.k_dim + s.v_dim) * pool.dtype.size for s in pool.specs]
 
-    def resize(self, slots: int, capacity: int) -> None:
-        for arrays in (self.keys, self.values):
-            for i, a in enumerate(arrays):
-                if slots > self.slots:
-                    a = _grow(a, 0, slots)
-                if capacity > self.capacity:
-                    a = _grow(a, 2, capacity)
-                arrays[i] = a
-        self.slots, self.capacity = max(slots, self.slots), max(capacity, self.capacity)
+    def edit(self, moves: List[Tuple[int, int]], joins: List[int], join_layout: Optional[BatchLayout],
+             dispatch, scratch_bytes: int) -> None:
+        """Copy the rows this step moves (src -> dst slot), then the pool history of the
+        rows that join (into the `joins` slots), in dispatches before the step, a group of
+        layers at a time: the copies in flight hold at most `scratch_bytes` (or one layer)."""
+        if not moves and not joins:
+            return
+        width = len(moves) * self.capacity + (len(joins) * join_layout.Lk if joins else 0)  # positions a layer
+        group, held = [], 0
+        for layer, per_position in enumerate(self._bytes_per_position):
+            if group and held + width * per_position > scratch_bytes:
+                self._edit_layers(group, moves, joins, join_layout, dispatch)
+                group, held = [], 0
+            group.append(layer)
+            held += width * per_position
+        self._edit_layers(group, moves, joins, join_layout, dispatch)
 
-    def edits(self, moves: List[Tuple[int, int]], joins: List[int], join_layout: Optional[BatchLayout]) -> List[mx.array]:
-        """Read the rows this step moves (src -> dst slot) and the pool history of the rows
-        that join (into the `joins` slots); `update` writes them. Returns what to evaluate."""
-        self._edits, arrays = [], []
+    def _edit_layers(self, layers: List[int], moves, joins, join_layout, dispatch) -> None:
         if moves:
             dst, src = (mx.array(np.array(x, np.int32)) for x in zip(*moves))
+            moved = {i: (self.keys[i][src], self.values[i][src]) for i in layers}
+            dispatch(*[a for kv in moved.values() for a in kv])  # read before the writes below
         if joins:
             join_slots = mx.array(np.array(joins, np.int32))
-        for layer in range(len(self.keys)):
-            e = []
-            if moves:
-                e.append((dst, self.keys[layer][src], self.values[layer][src]))
+        for i in layers:
+            K, V = self.keys[i], self.values[i]
+            edits = [(dst, *moved[i])] if moves else []
             if joins:
-                e.append((join_slots, *self.pool.read(layer, join_layout.table)))
-            self._edits.append(e)
-            arrays += [a for _, k, v in e for a in (k, v)]
-        return arrays
+                edits.append((join_slots, *self.pool.read(i, join_layout.table)))
+            for slots, k, v in edits:
+                K[slots, :, : k.shape[2]] = k
+                if V.shape[-1]:  # an index-key cache stores no values (MLX can't scatter empty rows)
+                    V[slots, :, : v.shape[2]] = v
+        dispatch(*[a for i in layers for a in (self.keys[i], self.values[i])])
 
     def step(self, offsets: List[int]) -> None:
         self.B, self.Lk = len(offsets), max(offsets) + 1
@@ -90,14 +95,9 @@ class DecodeKV:
         """Store this step's (B, H, 1, D) keys/values; return K/V of slots 0..B-1 up to
         the longest row."""
         K, V = self.keys[layer], self.values[layer]
-        has_values = V.shape[-1] > 0  # an index-key cache stores no values (MLX can't scatter empty rows)
-        for dst, k, v in self._edits[layer]:  # whole moved rows, or joined history 0..n-1
-            K[dst, :, : k.shape[2]] = k
-            if has_values:
-                V[dst, :, : v.shape[2]] = v
         idx = (self._rows, self._heads[keys.shape[1]], self._pos)
         K[idx] = keys[:, :, 0, :]
-        if has_values:
+        if V.shape[-1]:
             V[idx] = values[:, :, 0, :]
         return K[: self.B, :, : self.Lk], V[: self.B, :, : self.Lk]
 
@@ -108,15 +108,16 @@ class DecodeKV:
 class DecodeStaging:
     """Keeps the DecodeKV of consecutive decode steps; rows join and leave one by one."""
 
-    def __init__(self, pool: KVPool, max_bytes: int):
+    def __init__(self, pool: KVPool, max_bytes: int, scratch_bytes: int = 0):
         self.pool = pool
         self.max_bytes = max_bytes
+        self.scratch_bytes = scratch_bytes  # the rows being copied in may hold this much more (0: a layer)
         self.bytes_per_position = kv_bytes_per_token(pool.specs, pool.dtype)
         self.current: Optional[DecodeKV] = None
         self._slot: Dict[tuple, int] = {}  # row key -> slot
         self._pos: Dict[tuple, int] = {}  # row key -> position it wrote last
         self.num_staged = self.num_gathered = 0  # decode steps that read each
-        self.num_restaged = 0  # staged steps that first copied the whole batch in from the pool
+        self.num_restaged = 0  # staged steps that rebuilt the arrays (grown or shrunk), every row copied in
         self.num_joined = self.num_moved = 0  # rows copied in: from the pool, from another slot
 
     @staticmethod
@@ -136,12 +137,9 @@ class DecodeStaging:
             self.reset()
             self.num_gathered += 1
             return list(decode), None
-        slots, capacity = shape
-        cur = self.current
-        if cur is not None and (slots < cur.slots or capacity < cur.capacity):
-            self.reset()  # restaged smaller: every row joins from the pool
+        if self.current is not None and shape != (self.current.slots, self.current.capacity):
+            self.reset()  # rebuilt to the new shape: every row joins from the pool
             self.num_restaged += 1
-            cur = None
         keys = [self._key(s) for s, _ in decode]
         going = [i for i, (k, (_, p)) in enumerate(zip(keys, decode)) if self._pos.get(k) == p - 1]
         joining = [i for i in range(B) if self._pos.get(keys[i]) != decode[i][1] - 1]
@@ -155,16 +153,14 @@ class DecodeStaging:
                 moves.append((new_slot[i], self._slot[keys[i]]))
         rows = sorted(going, key=new_slot.get) + joining
         ordered = [decode[i] for i in rows]
-        if cur is None:
-            cur = self.current = DecodeKV(self.pool)
-        cur.resize(slots, capacity)
+        if self.current is None:
+            self.current = DecodeKV(self.pool, *shape)
+        cur = self.current
         join_layout = None
         if joining:
             new = [decode[i] for i in joining]
             join_layout = BatchLayout([s.pages for s, _ in new], [p - 1 for _, p in new], 1, self.pool.page_size)
-        edits = cur.edits(moves, list(range(n, B)), join_layout)
-        if edits:
-            dispatch(*edits)
+        cur.edit(moves, list(range(n, B)), join_layout, dispatch, self.scratch_bytes)
         cur.step([p for _, p in ordered])
         self._slot = {self._key(s): i for i, (s, _) in enumerate(ordered)}
         self._pos = {self._key(s): p for s, p in ordered}
@@ -174,28 +170,23 @@ class DecodeStaging:
         return ordered, cur
 
     def _shape(self, rows: int, positions: int) -> Optional[Tuple[int, int]]:
-        """Slots and capacity for this step: the current arrays, grown where the batch
-        needs it and rounded up as far as `max_bytes` allows; when that passes the cap,
-        arrays that fit just this batch (a smaller rectangle: the arrays only grow while
-        kept); None when even those pass it."""
+        """Slots and capacity for this step: the current arrays while the batch fits them,
+        else arrays for this batch with room to grow, rounded up as far as `max_bytes`
+        allows; None when even the batch alone passes it."""
         cur = self.current
         if cur is not None and rows <= cur.slots and positions <= cur.capacity:
             return cur.slots, cur.capacity
         if not self.bytes_per_position:  # no attention layers (a recurrent model): nothing to copy
             return _round_up(rows, SLOT_STEP), _round_up(positions, CAPACITY_STEP)
         budget = self.max_bytes // self.bytes_per_position  # positions
+        if rows * positions > budget:
+            return None
+        # Room to spare is split alike between more rows and longer ones, so that near the cap
+        # neither a join nor the longest row's next position has to rebuild at once.
         spare = (budget / (rows * positions)) ** 0.5
-        bases = [(cur.slots, cur.capacity)] if cur is not None else []
-        for base_slots, base_capacity in bases + [(0, 0)]:
-            slots, capacity = max(base_slots, rows), max(base_capacity, positions)
-            if slots * capacity > budget:
-                continue
-            # Room to spare is split alike between more rows and longer ones, so that near the cap
-            # neither a join nor the longest row's next position has to restage at once.
-            slots = max(slots, min(_round_up(rows, SLOT_STEP), int(rows * spare), budget // capacity))
-            capacity = max(capacity, min(_round_up(positions, CAPACITY_STEP), budget // slots))
-            return slots, capacity
-        return None
+        slots = max(rows, min(_round_up(rows, SLOT_STEP), int(rows * spare), budget // positions))
+        capacity = max(positions, min(_round_up(positions, CAPACITY_STEP), budget // slots))
+        return slots, capacity
 
     def reset(self) -> None:
         self.current, self._slot, self._pos = None, {}, {}

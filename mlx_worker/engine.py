@@ -91,8 +91,12 @@ class Engine:
         eos = set(getattr(tokenizer, "eos_token_ids", None) or []) if tokenizer is not None else set()
         self.scheduler = Scheduler(self.pages, eos, config.max_running_requests, config.max_batched_tokens,
                                    self.snapshots)
+        self.activation_bytes = activation_budget(model, config.max_batched_tokens, config.max_running_requests,
+                                                  self.vocab_size)
+        # The decode batch's copies from the pool run before a step, never beside one: its activation budget.
         self.worker = Worker(model, self.pool, tree, self.vocab_size, sorted(eos),
-                             int(config.decode_staging_fraction * budget), self.snapshots, self.batching)
+                             int(config.decode_staging_fraction * budget), self.snapshots, self.batching,
+                             scratch_bytes=self.activation_bytes)
         self.kv_bytes_per_token = kv_bytes_per_token(tree.kv, tree.kv_dtype)
         self.state_bytes_per_request = tree.state_bytes
         self.admission = Admission(config.max_queue_wait_s)
@@ -212,12 +216,10 @@ class Engine:
 
     def _memory_budget(self, weights: int) -> dict:
         """What peak memory should stay within: weights + pool + staging + activations."""
-        c = self.config
         return {"weights_bytes": weights, "kv_pool_bytes": self.pool.nbytes,
                 "recurrent_state_budget_bytes": self.state_budget_bytes,
                 "decode_staging_budget_bytes": self.worker.staging.max_bytes,
-                "activation_budget_bytes": activation_budget(self.model, c.max_batched_tokens,
-                                                             c.max_running_requests, self.vocab_size)}
+                "activation_budget_bytes": self.activation_bytes}
 
     def _publish_stats(self) -> None:
         pm, sched, worker = self.pages, self.scheduler, self.worker
@@ -245,7 +247,7 @@ class Engine:
             "failed_steps": self.num_failed_steps,
             "decode_steps_staged": worker.staging.num_staged,
             "decode_steps_gathered": worker.staging.num_gathered,
-            "decode_steps_restaged": worker.staging.num_restaged,  # of the staged: smaller arrays, all rows copied in
+            "decode_steps_restaged": worker.staging.num_restaged,  # of the staged: new arrays, all rows copied in
             "queued_prefill_tokens": (queued := sched.queued_prefill_tokens()),
             "queue_wait_s": self.admission.wait_s(queued),  # the queued prefill at the measured rate; None: not yet
             "refused_overloaded": self.admission.num_refused,

@@ -55,13 +55,13 @@ class Worker:
     """
 
     def __init__(self, model, pool: KVPool, tree: CacheTree, vocab_size: int, stop_ids: List[int],
-                 staging_bytes: int = 0, snapshots=None, batching: str = RAGGED):
+                 staging_bytes: int = 0, snapshots=None, batching: str = RAGGED, scratch_bytes: int = 0):
         self.model = model
         self.tree = tree
         self.states = RecurrentStates(tree.states)
         self.snapshots = snapshots  # state_snapshots.StateSnapshots of a model with recurrent layers
         self.batching = batching
-        self.staging = DecodeStaging(pool, 0 if batching == UNIFORM else staging_bytes)
+        self.staging = DecodeStaging(pool, 0 if batching == UNIFORM else staging_bytes, scratch_bytes)
         self.split = split_output_head(model)  # None: full logits, then slice
         # A pipeline stage sends its hidden states on inside the forward: a chunk that
         # samples nothing must still be run to its end, or the next stage waits forever.

@@ -47,7 +47,7 @@ class ReplicaMetrics:
         self.gathered = Counter("macfarm_decode_steps_gathered",
                                 description="Decode steps that gathered the batch's KV from the pool (staging over its cap).")
         self.restaged = Counter("macfarm_decode_steps_restaged",
-                                description="Staged decode steps that first copied the whole batch in (arrays rebuilt smaller).")
+                                description="Staged decode steps that first copied the whole batch in (new arrays for a batch that outgrew them).")
         self.refused = Counter("macfarm_requests_refused_overloaded",
                                description="Requests refused (429) because their prompt would wait past max_queue_wait_s.")
         self.queue_wait = Gauge("macfarm_queue_wait_seconds",
