@@ -5,8 +5,9 @@ and /v1/stats polled throughout.
 
     python benchmarks/served_load.py --loops 64 --seconds 300
 
-Prints completed requests, latency percentiles, output tok/s, /v1/stats latency and
-the engine's counters.
+Prints completed requests, latency percentiles, output tok/s, /v1/stats latency, the
+engine's counters, and its busy time per completed request D: with N closed client
+loops and the engine the bottleneck, Little's law puts the mean latency at N x D or more.
 """
 
 import argparse
@@ -14,6 +15,7 @@ import contextlib
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -30,6 +32,11 @@ from serve_fixtures import free_port, serve_run  # noqa: E402
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def engine_busy_s(st):
+    """The engine thread's time in steps (host work + device dispatch and wait) since start."""
+    return st["steps"] * (st["host_ms_per_step"] + st["device_ms_per_step"]) / 1e3
 
 
 @contextlib.contextmanager
@@ -53,8 +60,10 @@ def main():
     ap.add_argument("--timeout", type=float, default=600, help="a request slower than this counts as failed")
     a = ap.parse_args()
     with deployed_app() as base:
-        httpx.get(f"{base}/v1/stats", timeout=60)
+        st0 = httpx.get(f"{base}/v1/stats", timeout=60).json()["replica"]
+        t0 = time.perf_counter()
         res = run_load(base, a.loops, a.seconds, a.timeout)
+        span = time.perf_counter() - t0
         st = httpx.get(f"{base}/v1/stats", timeout=60).json()["replica"]
     lat, sl = res.latencies, res.stats_latencies
     print(f"\n## deploy/app.yaml, {a.loops} client loops for {a.seconds:.0f} s")
@@ -63,6 +72,10 @@ def main():
     print(f"latency s: p50 {statistics.median(lat):.1f}  p95 {pct(lat, 0.95):.1f}  max {max(lat):.1f}  "
           f"(over 60 s: {sum(x > 60 for x in lat)})")
     print(f"/v1/stats ms: p50 {1e3 * statistics.median(sl):.0f}  p95 {1e3 * pct(sl, 0.95):.0f}  max {1e3 * max(sl):.0f}")
+    busy = (engine_busy_s(st) - engine_busy_s(st0)) / max(1, len(lat))
+    print(f"engine busy {busy:.2f} s per completed request ({100 * (engine_busy_s(st) - engine_busy_s(st0)) / span:.0f}% "
+          f"of the run): by Little's law {a.loops} loops cannot average under {a.loops} x {busy:.2f} = "
+          f"{a.loops * busy:.0f} s a request here (mean latency {statistics.mean(lat):.1f} s)")
     print("engine: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in st.items()))
     for e in res.errors[:5]:
         print("error:", e)
