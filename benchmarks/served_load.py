@@ -7,7 +7,7 @@ and /v1/stats polled throughout.
 
 Prints completed requests, latency percentiles, output tok/s, /v1/stats latency, the
 engine's counters, and its busy time per completed request D: with N closed client
-loops and the engine the bottleneck, Little's law puts the mean latency at N x D or more.
+loops and the engine the bottleneck, Little's law puts the mean latency near N x D.
 """
 
 import argparse
@@ -74,8 +74,12 @@ def main():
     print(f"/v1/stats ms: p50 {1e3 * statistics.median(sl):.0f}  p95 {1e3 * pct(sl, 0.95):.0f}  max {1e3 * max(sl):.0f}")
     busy = (engine_busy_s(st) - engine_busy_s(st0)) / max(1, len(lat))
     print(f"engine busy {busy:.2f} s per completed request ({100 * (engine_busy_s(st) - engine_busy_s(st0)) / span:.0f}% "
-          f"of the run): by Little's law {a.loops} loops cannot average under {a.loops} x {busy:.2f} = "
-          f"{a.loops * busy:.0f} s a request here (mean latency {statistics.mean(lat):.1f} s)")
+          f"of the run): by Little's law {a.loops} loops wait about {a.loops} x {busy:.2f} = "
+          f"{a.loops * busy:.0f} s a request here (measured mean {statistics.mean(lat):.1f} s)")
+    budget = sum(st[k] for k in ("weights_bytes", "kv_pool_bytes", "decode_staging_budget_bytes",
+                                 "activation_budget_bytes"))
+    print(f"peak memory {st['peak_memory_bytes'] / 2**30:.2f} GiB, bound {budget / 2**30:.2f} GiB "
+          f"(weights + pool + decode staging + activations)")
     print("engine: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in st.items()))
     for e in res.errors[:5]:
         print("error:", e)
