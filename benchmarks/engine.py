@@ -186,10 +186,13 @@ def counters(engine):
             "preemptions": s["preemptions"]}
 
 
+TIMES = ("host_ms", "build_ms", "host_cpu_ms", "build_cpu_ms")  # engine-thread times, wall and CPU
+
+
 def since(before, engine):
     """Counter deltas since `before`, and the host ms per step over that span."""
     d = {k: v - before[k] for k, v in counters(engine).items()}
-    for k in ("host_ms", "build_ms", "host_cpu_ms", "build_cpu_ms"):
+    for k in TIMES:
         d[f"{k}_per_step"] = d[k] / d["steps"] if d["steps"] else float("nan")
     return d
 
@@ -368,7 +371,7 @@ def run_host(engine, model, args):
                 before = counters(engine)
                 bench_engine(engine, prompts(n, 16, seed=60000 + n), 64, f"host{n}{overlap}{r}")
                 d = since(before, engine)
-                runs[overlap].append({k: d[f"{k}_per_step"] for k in ("host_ms", "build_ms", "host_cpu_ms", "build_cpu_ms")})
+                runs[overlap].append({k: d[f"{k}_per_step"] for k in TIMES})
         engine.config.overlap = True
         measured = {}
         for overlap in (True, False):

@@ -116,7 +116,7 @@ class EngineRows:
         return statistics.median(full_batch_itl(asyncio.run(self._run(ps, n, f"r{self.rounds}"))))
 
 
-def run_length(model, tokenizer, engine, length, args):
+def run_length(model, engine, length, args):
     prefix = prompts(1, length - TAIL, seed=40000 + length)[0]
     tails = prompts(args.rows, TAIL, seed=41000 + length)
     print(f"\n## {args.rows} rows at {length} tokens (shared prefix {length - TAIL}), "
@@ -163,7 +163,7 @@ def main():
     print(f"model={args.model or 'default SmolLM2-135M-Instruct'} device={mx.default_device()} "
           f"engine pool {engine.pool.nbytes / 2**30:.2f} GiB (default)")
     try:
-        results = {n: run_length(model, tokenizer, engine, n, args) for n in args.lens}
+        results = {n: run_length(model, engine, n, args) for n in args.lens}
     finally:
         engine.shutdown()
     print("\n## Summary: full-batch decode step, BatchGenerator / macfarm (above 1: macfarm faster)")

@@ -72,8 +72,9 @@ def main():
     print(f"latency s: p50 {statistics.median(lat):.1f}  p95 {pct(lat, 0.95):.1f}  max {max(lat):.1f}  "
           f"(over 60 s: {sum(x > 60 for x in lat)})")
     print(f"/v1/stats ms: p50 {1e3 * statistics.median(sl):.0f}  p95 {1e3 * pct(sl, 0.95):.0f}  max {1e3 * max(sl):.0f}")
-    busy = (engine_busy_s(st) - engine_busy_s(st0)) / max(1, len(lat))
-    print(f"engine busy {busy:.2f} s per completed request ({100 * (engine_busy_s(st) - engine_busy_s(st0)) / span:.0f}% "
+    busy_s = engine_busy_s(st) - engine_busy_s(st0)
+    busy = busy_s / max(1, len(lat))
+    print(f"engine busy {busy:.2f} s per completed request ({100 * busy_s / span:.0f}% "
           f"of the run): by Little's law {a.loops} loops wait about {a.loops} x {busy:.2f} = "
           f"{a.loops * busy:.0f} s a request here (measured mean {statistics.mean(lat):.1f} s)")
     budget = sum(st[k] for k in ("weights_bytes", "kv_pool_bytes", "decode_staging_budget_bytes",

@@ -49,7 +49,7 @@ class DecodeKV:
         self.values = [mx.zeros((slots, s.n_kv_heads, capacity, s.v_dim), pool.values[i].dtype)
                        for i, s in enumerate(pool.specs)]
         self._heads = {h: mx.arange(h)[None, :] for h in {s.n_kv_heads for s in pool.specs}}
-        self._bytes_per_position = [s.n_kv_heads * (s.k_dim + s.v_dim) * pool.dtype.size for s in pool.specs]
+        self._bytes_per_position = [kv_bytes_per_token([s], pool.dtype) for s in pool.specs]
 
     def edit(self, moves: List[Tuple[int, int]], joins: List[int], join_layout: Optional[BatchLayout],
              dispatch, scratch_bytes: int) -> None:
@@ -58,27 +58,26 @@ class DecodeKV:
         layers at a time: the copies in flight hold at most `scratch_bytes` (or one layer)."""
         if not moves and not joins:
             return
+        dst, src = (mx.array(np.array(x, np.int32)) for x in zip(*moves)) if moves else (None, None)
+        join_slots = mx.array(np.array(joins, np.int32)) if joins else None
         width = len(moves) * self.capacity + (len(joins) * join_layout.Lk if joins else 0)  # positions a layer
         group, held = [], 0
         for layer, per_position in enumerate(self._bytes_per_position):
             if group and held + width * per_position > scratch_bytes:
-                self._edit_layers(group, moves, joins, join_layout, dispatch)
+                self._edit_layers(group, dst, src, join_slots, join_layout, dispatch)
                 group, held = [], 0
             group.append(layer)
             held += width * per_position
-        self._edit_layers(group, moves, joins, join_layout, dispatch)
+        self._edit_layers(group, dst, src, join_slots, join_layout, dispatch)
 
-    def _edit_layers(self, layers: List[int], moves, joins, join_layout, dispatch) -> None:
-        if moves:
-            dst, src = (mx.array(np.array(x, np.int32)) for x in zip(*moves))
+    def _edit_layers(self, layers: List[int], dst, src, join_slots, join_layout, dispatch) -> None:
+        if src is not None:
             moved = {i: (self.keys[i][src], self.values[i][src]) for i in layers}
             dispatch(*[a for kv in moved.values() for a in kv])  # read before the writes below
-        if joins:
-            join_slots = mx.array(np.array(joins, np.int32))
         for i in layers:
             K, V = self.keys[i], self.values[i]
-            edits = [(dst, *moved[i])] if moves else []
-            if joins:
+            edits = [(dst, *moved[i])] if src is not None else []
+            if join_slots is not None:
                 edits.append((join_slots, *self.pool.read(i, join_layout.table)))
             for slots, k, v in edits:
                 K[slots, :, : k.shape[2]] = k
