@@ -27,6 +27,7 @@ class InFlightStep:
     prompt: List[tuple] = field(default_factory=list)  # (seq, start, logprobs, top ids, top logprobs) of prompt scoring
     embeddings: List[tuple] = field(default_factory=list)  # (seq, vector) of embedding requests
     launched_at: float = 0.0  # perf_counter when the engine started building it
+    done_at: Optional[float] = None  # perf_counter when the device was seen to have finished it
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Worker:
         self.vocab = vocab_size
         self.stop_ids = list(stop_ids)
         self._busy = False  # work dispatched that the device may not have finished
+        self._unfinished: Optional[InFlightStep] = None  # the last launched step, until a wait sees it done
         self.device_s = 0.0  # time spent dispatching to and waiting for the device (the rest is host work)
         self.build_s = 0.0  # of the host work: building the model's graph (mlx-lm's code, not the engine's)
         self.device_cpu_s = self.build_cpu_s = 0.0  # the same spans in this thread's CPU time
@@ -117,7 +119,7 @@ class Worker:
             ends = [self.split[1](mx.concatenate(ends) if len(ends) > 1 else ends[0])]
         last_logits += ends
         if not last_logits:
-            return InFlightStep(plan, None, scored, embedded)
+            return self._launched(InFlightStep(plan, None, scored, embedded))
 
         seqs = plan.sampling_rows()
         positions = [p for _, p in plan.decode] + [c.start + c.length - 1 for c in plan.prefills if c.samples]
@@ -131,7 +133,11 @@ class Worker:
             if result.seen is not None and seq.seen is not None:
                 seq.seen = result.seen[i]
         self._on_device(mx.async_eval, *result.arrays())  # reads no pool array: no fence needed
-        return InFlightStep(plan, result, scored, embedded)
+        return self._launched(InFlightStep(plan, result, scored, embedded))
+
+    def _launched(self, step: InFlightStep) -> InFlightStep:
+        self._unfinished = step
+        return step
 
     def _layout(self, page_tables, offsets, L: int) -> BatchLayout:
         return BatchLayout(page_tables, offsets, L, self.pool.page_size, self.batching == RAGGED_HEAD_GROUPS)
@@ -209,6 +215,13 @@ class Worker:
         if self._busy:
             self._on_device(mx.synchronize)
             self._busy = False
+            self._mark_done()
+
+    def _mark_done(self) -> None:
+        """The device has finished everything dispatched: so the last launched step."""
+        if self._unfinished is not None:
+            self._unfinished.done_at = time.perf_counter()
+            self._unfinished = None
 
     def reset(self) -> None:
         """After a failed step: drop the staged batch and snapshots, wait out what was
@@ -255,9 +268,15 @@ class Worker:
         for seq, vector in step.embeddings:
             seq.embedding, seq.hidden_sum = vector.tolist(), None
         r = step.result
-        if r is None:  # nothing sampled: nothing to wait for
+        if r is None:  # nothing sampled: only its pool writes to wait for
+            if step.done_at is None:
+                self.fence()
             return StepTokens([])
         self._on_device(mx.eval, *r.arrays())
+        if step.done_at is None:  # its last forward produced these: the step is done
+            step.done_at = time.perf_counter()
+            if self._unfinished is step:
+                self._unfinished = None
         out = StepTokens(r.tokens.tolist())
         if r.logprobs is not None:
             out.logprobs = r.logprobs.tolist()
