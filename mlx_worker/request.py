@@ -18,6 +18,7 @@ class Request(BaseModel):
     rid: str
     prompt_ids: List[int] = Field(min_length=1)
     params: SamplingParams = Field(default_factory=SamplingParams)
+    timeout_s: Optional[float] = Field(None, gt=0)  # the client's patience: admission refuses what cannot finish in it
 
 
 @dataclass
@@ -87,6 +88,8 @@ class Sequence:
     hidden_sum: Optional[mx.array] = None  # mean pooling: the sum of the prompt's final hidden states so far
     embedding: Optional[List[float]] = None
     branch_point: int = 0  # where its prompt leaves an earlier one's cached pages: snapshot there
+    num_work: int = 0  # tokens run through the model for it, recomputation included
+    timeout_s: Optional[float] = None  # Request.timeout_s
     uncached_estimate: Optional[int] = None  # tokens to compute, as the prefix cache stood at arrival (admission.py)
 
     def __post_init__(self):
@@ -105,7 +108,7 @@ class Sequence:
 
     @classmethod
     def from_request(cls, req: Request, page_size: int) -> "Sequence":
-        return cls(req.rid, list(req.prompt_ids), req.params, len(req.prompt_ids), page_size)
+        return cls(req.rid, list(req.prompt_ids), req.params, len(req.prompt_ids), page_size, timeout_s=req.timeout_s)
 
     @property
     def num_scheduled_output(self) -> int:

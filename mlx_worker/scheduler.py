@@ -6,6 +6,7 @@ from typing import Dict, List, Optional, Set, Tuple
 from .page_manager import PageManager
 from .state_snapshots import StateSnapshots
 from .request import RequestOutput, Sequence, Status
+from .step_budget import StepBudget, StepRoom
 
 
 @dataclass
@@ -41,17 +42,19 @@ class Scheduler:
     """
 
     def __init__(self, pages: PageManager, eos_ids: Set[int], max_running: int, max_batched_tokens: int,
-                 snapshots: Optional[StateSnapshots] = None):
+                 snapshots: Optional[StateSnapshots] = None, budget: Optional[StepBudget] = None):
         self.pages = pages
         self.snapshots = snapshots  # a model with recurrent layers resumes only at a snapshot
         self.page_size = pages.page_size
         self.eos_ids = set(eos_ids)
         self.max_running = max_running
-        self.max_batched_tokens = max_batched_tokens
+        self.budget = budget or StepBudget(max_batched_tokens)  # each step's room in tokens and time
         self.waiting: List[Sequence] = []
         self.running: List[Sequence] = []
         self.by_rid: Dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.tokens_computed = 0  # prompt and output tokens run through the model (recomputation too)
+        self.tokens_wasted = 0  # of those: for requests that were then aborted (client gone) or failed
         self._pending_outputs: List[RequestOutput] = []  # finished while scheduling
 
     # --- requests in and out ---------------------------------------------------
@@ -72,11 +75,14 @@ class Scheduler:
         seq.status = Status.FINISHED
         return self._output(seq, [], "error", message, code=code)
 
-    def abort(self, rid: str) -> Optional[RequestOutput]:
+    def abort(self, rid: str, wasted: bool = True) -> Optional[RequestOutput]:
+        """End a request early: its client left (its work is wasted), or it already has
+        what it needs (a stop string matched)."""
         seq = self.by_rid.get(rid)
         if seq is None or seq.status == Status.FINISHED:
             return None
         self._finish(seq, "abort")
+        self.tokens_wasted += wasted * seq.num_work
         return self._output(seq, [], "abort")
 
     def fail(self, seq: Sequence, message: str) -> Optional[RequestOutput]:
@@ -84,6 +90,7 @@ class Scheduler:
         if seq.status == Status.FINISHED:
             return None
         self._finish(seq, "error")
+        self.tokens_wasted += seq.num_work
         return self._output(seq, [], "error", message, code="engine_error")
 
     def queued_prefill_tokens(self) -> int:
@@ -111,24 +118,23 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._schedule_decode(plan)
-        budget = self.max_batched_tokens - len(plan.decode)
+        room = self.budget.room(len(plan.decode), sum(pos + 1 for _, pos in plan.decode))
         for seq in [s for s in self.running if s.next_input is None]:
-            budget -= self._schedule_prefill(plan, seq, budget)
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            self._schedule_prefill(plan, seq, room)
+        while self.waiting and room.tokens > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if seq.num_pending:  # preempted with a token still on the device
                 break
             if not seq.pages:
                 self._match_prefix(seq)
-            n = self._schedule_prefill(plan, seq, budget)
-            if n == 0:
+            if self._schedule_prefill(plan, seq, room) == 0:
                 self.pages.release(seq.pages)
                 seq.pages, seq.num_computed, seq.num_published, seq.state = [], 0, 0, None
                 break
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            budget -= n
+        self.tokens_computed += len(plan.decode) + sum(c.length for c in plan.prefills)
         return plan
 
     def _schedule_decode(self, plan: StepPlan) -> None:
@@ -140,6 +146,7 @@ class Scheduler:
             if not self._reserve(seq, seq.num_computed + 1):
                 continue
             plan.decode.append((seq, seq.num_computed))
+            seq.num_work += 1
             seq.num_computed += 1
             seq.num_tokens += 1
 
@@ -161,11 +168,10 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_prefill(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
+    def _schedule_prefill(self, plan: StepPlan, seq: Sequence, room: StepRoom) -> int:
         start = seq.num_computed
-        length = min(seq.num_tokens - start, budget)
-        room = (len(seq.pages) + self.pages.available()) * self.page_size - start
-        length = min(length, room)
+        length = room.prefill(start, seq.num_tokens - start)
+        length = min(length, (len(seq.pages) + self.pages.available()) * self.page_size - start)
         if length <= 0:
             return 0
         if self.snapshots is not None:
@@ -175,6 +181,8 @@ class Scheduler:
             seq.pages += self.pages.allocate(need)
         samples = start + length == seq.num_tokens
         plan.prefills.append(PrefillChunk(seq, start, length, samples))
+        room.take(start, length)
+        seq.num_work += length
         seq.num_computed += length
         if samples:
             seq.num_tokens += 1

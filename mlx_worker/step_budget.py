@@ -1,0 +1,66 @@
+"""A step's room in time, not only in tokens (Sarathi-Serve's stall-free batching).
+
+While requests decode, every step is a gap between their tokens: a step that prefills a
+long chunk freezes every stream for as long as it runs. So a step that carries decode
+rows gets prefill only as far as the measured step cost (step_cost.py) keeps it within
+the target token gap: `max_token_gap_s`, or by default TOKEN_GAP_FACTOR times the
+predicted decode-only step of the same rows. `min_prefill_tokens` is a floor, so
+prefill always moves, and a step's fixed cost (every forward reads every weight; on a
+CPU that is tens of ms) stays small beside its work. A step without decode rows has the token budget alone
+(`max_batched_tokens`); until costs are measured, steps prefill `min_prefill_tokens`
+at most, so that they are measured within the first second or so.
+"""
+
+from typing import Optional
+
+from .step_cost import StepCost, StepShape
+
+TOKEN_GAP_FACTOR = 3.0
+
+
+class StepRoom:
+    """What one step may still take: tokens, and (when a gap is set) seconds."""
+
+    def __init__(self, tokens: int, cost: StepCost, shape: StepShape, gap_s: Optional[float], min_prefill: int):
+        self.tokens = tokens
+        self.cost, self.shape, self.gap_s = cost, shape, gap_s
+        self.min_prefill = min_prefill
+        self._lengths = set()  # chunk lengths already in the step: one forward each
+
+    def prefill(self, start: int, wanted: int) -> int:
+        """How many tokens of a prompt at `start` this step may prefill (<= wanted)."""
+        n = min(wanted, self.tokens)
+        if self.gap_s is None or n <= 0:
+            return max(0, n)
+        floor = self.min_prefill - self.shape.prefill_tokens  # the floor is per step
+        spare = self.gap_s - self.cost.predict(self.shape)
+        fits = self.cost.prefill_room(self.shape, start, spare, new_forward=n not in self._lengths)
+        return max(0, min(n, max(fits, floor)))
+
+    def take(self, start: int, length: int) -> None:
+        self.tokens -= length
+        self.shape.add_prefill(start, length, new_forward=length not in self._lengths)
+        self._lengths.add(length)
+
+
+class StepBudget:
+    """Makes each step's StepRoom from the cost model and the configured gap."""
+
+    def __init__(self, max_batched_tokens: int, max_token_gap_s: Optional[float] = None,
+                 min_prefill_tokens: int = 256, cost: Optional[StepCost] = None, timed: bool = True):
+        self.max_batched_tokens = max_batched_tokens
+        self.timed = timed  # False: tokens only (the step cost is still measured, for admission's stats)
+        self.max_token_gap_s = max_token_gap_s
+        self.min_prefill_tokens = min_prefill_tokens
+        self.cost = cost or StepCost()
+        self.last_gap_s: Optional[float] = None  # the target of the last step with decode rows
+
+    def room(self, decode_rows: int, decode_context: int) -> StepRoom:
+        shape = StepShape()
+        shape.add_decode(decode_rows, decode_context)
+        gap, tokens = None, self.max_batched_tokens - decode_rows
+        if self.timed and self.cost.coef is None:  # small steps until costs are measured: soon, and never long
+            tokens = min(tokens, self.min_prefill_tokens)
+        elif decode_rows and self.timed:
+            gap = self.last_gap_s = self.max_token_gap_s or TOKEN_GAP_FACTOR * self.cost.predict(shape)
+        return StepRoom(tokens, self.cost, shape, gap, self.min_prefill_tokens)

@@ -1,0 +1,124 @@
+"""The step budget in time (step_cost.py, step_budget.py): the online fit recovers a
+machine's costs, a step with decode rows is sized to the target gap (with a floor), and
+a real engine's measured steps are predicted and kept near the gap while prompts arrive,
+token-exact with mlx-lm."""
+
+import asyncio
+import random
+
+import pytest
+from conftest import collect, reference_greedy
+from tiny_models import make_tiny_model
+
+from mlx_worker import Engine, EngineConfig, Request, SamplingParams
+from mlx_worker.step_budget import TOKEN_GAP_FACTOR, StepBudget
+from mlx_worker.step_cost import PAIRS_UNIT, StepCost, StepShape, shape_of
+
+TRUE = (0.07, 0.009, 0.004, 0.01)  # seconds per forward, decode row, prefill token, PAIRS_UNIT pairs
+
+
+def true_time(shape):
+    return float(shape.features() @ TRUE)
+
+
+def fitted(n=80, seed=0):
+    rng, cost = random.Random(seed), StepCost()
+    for _ in range(n):
+        rows = rng.randrange(0, 33)
+        chunks = [(rng.randrange(0, 1500), rng.randrange(1, 512)) for _ in range(rng.randrange(0 if rows else 1, 3))]
+        shape = shape_of([rng.randrange(10, 1500) for _ in range(rows)], chunks)
+        cost.observe(shape, true_time(shape) * rng.uniform(0.97, 1.03))
+    return cost
+
+
+def test_the_fit_recovers_the_costs_and_never_goes_negative():
+    cost = StepCost()
+    assert cost.predict(shape_of([100], [])) is None  # nothing measured: no prediction
+    cost = fitted()
+    assert cost.coef == pytest.approx(TRUE, rel=0.15)
+    for rows, chunks in (([300] * 16, []), ([], [(0, 2000)]), ([500] * 4, [(0, 64), (128, 200)])):
+        shape = shape_of(rows, chunks)
+        assert cost.predict(shape) == pytest.approx(true_time(shape), rel=0.05)
+    # Collinear steps (always one forward, one row): nothing to tell the parts apart, yet no
+    # coefficient comes out negative and the prediction still fits what was seen.
+    flat = StepCost()
+    for _ in range(10):
+        flat.observe(shape_of([50], []), 0.1)
+    assert (flat.coef >= 0).all() and flat.predict(shape_of([50], [])) == pytest.approx(0.1, rel=0.01)
+
+
+def test_a_step_with_decode_rows_is_sized_to_the_gap():
+    cost = fitted()
+    budget = StepBudget(2048, cost=cost, min_prefill_tokens=16)
+    room = budget.room(16, 16 * 300)
+    decode_only = cost.predict(shape_of([299] * 16, []))
+    assert budget.last_gap_s == pytest.approx(TOKEN_GAP_FACTOR * decode_only)
+    n = room.prefill(0, 5000)
+    assert 16 < n < 2000
+    room.take(0, n)
+    assert true_time(room.shape) == pytest.approx(budget.last_gap_s, rel=0.08)
+    assert room.prefill(0, 5000) == 0  # the step is full
+    # The attention of a chunk deep into a long prompt counts: fewer of its tokens fit.
+    assert budget.room(16, 16 * 300).prefill(3000, 5000) < n
+    # A set gap overrides the factor, and the floor holds however short the gap.
+    tight = StepBudget(2048, max_token_gap_s=0.01, min_prefill_tokens=32, cost=cost).room(16, 16 * 300)
+    assert tight.prefill(0, 5000) == 32
+    # No decode rows (nobody waits for a token): the token budget; with steps in tokens too.
+    assert budget.room(0, 0).prefill(0, 5000) == 2048
+    assert StepBudget(2048, cost=cost, timed=False).room(16, 4800).prefill(0, 5000) == 2048 - 16
+    # Costs not measured yet: small steps, so that they soon are.
+    assert StepBudget(2048, min_prefill_tokens=64).room(0, 0).prefill(0, 5000) == 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama")
+
+
+def test_an_engine_keeps_its_steps_near_the_gap_while_prompts_arrive(model):
+    """Rows decoding while long prompts arrive: once costs are measured, steps with decode
+    rows are cut to the gap instead of carrying max_batched_tokens of prefill; their
+    measured times are predicted by the fit; every request's greedy tokens equal mlx-lm's."""
+    rng = random.Random(3)
+    short = [[rng.randrange(100, 40000) for _ in range(20)] for _ in range(4)]
+    long = [[rng.randrange(100, 40000) for _ in range(900)] for _ in range(3)]
+    eng = Engine(EngineConfig(max_total_tokens=16384, max_batched_tokens=2048, min_prefill_tokens=16), model=model)
+    log = []
+    finish = eng._finish_step
+
+    def record(step):
+        t0 = max(eng._last_finish, step.launched_at)
+        finish(step)
+        plan = step.plan
+        log.append((eng._last_finish - t0, shape_of([p for _, p in plan.decode], [(c.start, c.length) for c in plan.prefills]),
+                    eng.budget.cost.predict(shape_of([p for _, p in plan.decode], [(c.start, c.length) for c in plan.prefills]))))
+
+    eng._finish_step = record
+
+    def request(rid, ids, n):
+        return Request(rid=rid, prompt_ids=ids, params=SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0))
+
+    async def main():
+        rows = [asyncio.create_task(collect(eng, request(f"s{i}", p, 60))) for i, p in enumerate(short)]
+        while eng.stats()["steps"] < 12:
+            await asyncio.sleep(0.005)
+        late = [asyncio.create_task(collect(eng, request(f"l{i}", p, 4))) for i, p in enumerate(long)]
+        return await asyncio.gather(*rows, *late)
+
+    outs = asyncio.run(main())
+    for p, (toks, _) in zip(short + long, outs):
+        assert toks == reference_greedy(model, p, 60 if len(p) == 20 else 4)
+    mixed = [(t, s, pred) for t, s, pred in log[12:] if s.decode_rows and s.prefill_tokens]
+    assert mixed and max(s.prefill_tokens for _, s, _ in mixed) < 2048 - len(short)  # cut, not the token budget
+    st = eng.stats()
+    assert st["token_gap_target_s"] > 0 and st["prefill_tokens_per_step_p50"] > 0 and st["step_s_p99"] >= st["step_s_p50"]
+    errors = sorted(abs(pred - t) / t for t, _, pred in mixed if pred)
+    print(f"{len(mixed)} mixed steps, prediction error p50 {errors[len(errors) // 2]:.2f}; {st['step_cost']}")
+    assert errors[len(errors) // 2] < 0.5
+    eng.shutdown()
+
+
+def test_pairs_unit_keeps_features_of_one_scale():
+    shape = StepShape()
+    shape.add_prefill(0, 1024)
+    assert shape.features()[3] == pytest.approx(1024 * 1025 / 2 / PAIRS_UNIT)
