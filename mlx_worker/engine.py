@@ -12,6 +12,7 @@ from collections import deque
 from typing import AsyncIterator, Dict, List, Literal, Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 from pydantic import BaseModel, Field
 
@@ -29,6 +30,8 @@ from .grammar import GrammarCompiler
 from .request import Request, RequestOutput, Sequence
 from .scheduler import Scheduler, StepPlan
 from .state_snapshots import StateSnapshots
+from .step_budget import StepBudget
+from .step_cost import shape_of
 from .worker import Worker
 
 
@@ -40,6 +43,9 @@ class EngineConfig(BaseModel):
     kv_memory_fraction: float = Field(0.25, gt=0, le=0.95)
     max_running_requests: int = Field(64, ge=1)
     max_batched_tokens: int = Field(2048, ge=1)  # tokens per step: decode rows + prefill chunks
+    step_budget: Literal["time", "tokens"] = "time"  # tokens: every step takes max_batched_tokens, whatever it costs
+    max_token_gap_s: Optional[float] = Field(None, gt=0)  # a step with decode rows stays within it; None: 3x the decode-only step of its rows (step_budget.py)
+    min_prefill_tokens: int = Field(256, ge=1)  # prefill per step however short the gap: prompts move, steps stay efficient
     decode_staging_fraction: float = Field(0.5, ge=0)  # dense decode-batch KV, x the KV memory budget (decode_kv.py)
     state_snapshot_fraction: float = Field(0.1, ge=0)  # recurrent-state snapshots (prefix cache of hybrid models), x the same
     batching: Literal["auto", "ragged", "ragged_head_groups", "uniform_offsets"] = "auto"  # auto: probed at load (batch_probe.py)
@@ -48,7 +54,7 @@ class EngineConfig(BaseModel):
     pipeline_parallel_size: int = Field(1, ge=1)  # or: ranks each with a run of whole layers (ranks.py)
     distributed_backend: Literal[BACKENDS] = "ring"  # ring: TCP over Ethernet or Thunderbolt IP; jaccl: RDMA
     rdma_devices: Optional[List[List[Optional[str]]]] = None  # jaccl: rank i's RDMA device to rank j (ranks.py)
-    max_queue_wait_s: Optional[float] = Field(None, gt=0)  # refuse (overloaded) a request whose prompt would wait longer (admission.py)
+    request_timeout_s: Optional[float] = Field(None, gt=0)  # refuse (overloaded) what cannot finish in the client's timeout, or this (admission.py)
 
 
 class Engine:
@@ -89,8 +95,10 @@ class Engine:
         self.snapshots = StateSnapshots(tree.state_bytes, snapshot_bytes) if tree.states else None
         self.batching = probe_batching(model, tree) if config.batching == "auto" else config.batching
         eos = set(getattr(tokenizer, "eos_token_ids", None) or []) if tokenizer is not None else set()
+        self.budget = StepBudget(config.max_batched_tokens, config.max_token_gap_s, config.min_prefill_tokens,
+                                 timed=config.step_budget == "time")
         self.scheduler = Scheduler(self.pages, eos, config.max_running_requests, config.max_batched_tokens,
-                                   self.snapshots)
+                                   self.snapshots, self.budget)
         self.activation_bytes = activation_budget(model, config.max_batched_tokens, config.max_running_requests,
                                                   self.vocab_size)
         # The decode batch's copies from the pool run before a step, never beside one: its activation budget.
@@ -99,7 +107,9 @@ class Engine:
                              scratch_bytes=self.activation_bytes)
         self.kv_bytes_per_token = kv_bytes_per_token(tree.kv, tree.kv_dtype)
         self.state_bytes_per_request = tree.state_bytes
-        self.admission = Admission(config.max_queue_wait_s)
+        self.admission = Admission(config.request_timeout_s, config.max_batched_tokens)
+        self._recent_steps: deque = deque(maxlen=STEP_WINDOW)  # (seconds, decode rows, prefill tokens)
+        self._sent_coef = None  # the step cost coefficients the followers have
         self._last_finish = 0.0  # when the last step finished (perf_counter)
         self.num_steps = 0
         self.num_failed_steps = 0
@@ -171,6 +181,11 @@ class Engine:
     async def _generate_one(self, request: Request, index: int, detokenize: bool) -> AsyncIterator[RequestOutput]:
         if self._error is not None:
             raise RuntimeError("engine loop died") from self._error
+        refusal = self.admission.refuse_early(request, self._stats["queued_prefill_tokens"])
+        if refusal is not None:  # at once, not at the engine loop's next turn
+            refusal.index = index
+            yield refusal
+            return
         matcher = None
         if request.params.structured is not None:
             matcher = self._grammar_compiler().compile(request.params.structured).new_matcher()
@@ -192,7 +207,7 @@ class Engine:
                 if detok is not None:
                     out.text = detok.add(out.token_ids)
                     if detok.stopped is not None and not finished:
-                        self.abort(request.rid)
+                        self._commands.put(("abort", (request.rid, False)))  # done, not wasted
                         out.finished, out.finish_reason, out.stop_reason = True, "stop", detok.stopped
                         finished = True
                     elif finished and detok.stopped is None:
@@ -206,13 +221,14 @@ class Engine:
                 self.abort(request.rid)
 
     def abort(self, rid: str) -> None:
-        """Stop a request and free its pages (takes effect before the next step)."""
-        self._commands.put(("abort", rid))
+        """Stop a request and free its pages (takes effect before the next step); the
+        work done for it counts as wasted."""
+        self._commands.put(("abort", (rid, True)))
 
     def stats(self) -> dict:
         """Load, KV use, cache counters and cached page hashes, as of the last step. A
         snapshot the engine thread publishes after each step: never waits on the device."""
-        return dict(self._stats)
+        return {**self._stats, **self._step_stats()}
 
     def _memory_budget(self, weights: int) -> dict:
         """What peak memory should stay within: weights + pool + staging + activations."""
@@ -250,7 +266,9 @@ class Engine:
             "decode_steps_restaged": worker.staging.num_restaged,  # of the staged: new arrays, all rows copied in
             "queued_prefill_tokens": (queued := sched.queued_prefill_tokens()),
             "queue_wait_s": self.admission.wait_s(queued),  # the queued prefill at the measured rate; None: not yet
-            "refused_overloaded": self.admission.num_refused,
+            "refused_overloaded": self.admission.num_refused + self.admission.num_refused_early,
+            "tokens_computed": sched.tokens_computed,
+            "tokens_wasted": sched.tokens_wasted,  # computed for requests then aborted (client gone) or failed
             "host_ms_per_step": 1e3 * self._host_s / steps,
             "graph_build_ms_per_step": 1e3 * worker.build_s / steps,  # of host_ms: the model's own code
             "host_cpu_ms_per_step": 1e3 * self._host_cpu_s / steps,  # host_ms in CPU time: no waits for a core
@@ -265,6 +283,22 @@ class Engine:
             "peak_memory_bytes": mx.get_peak_memory(),
             **self._memory,
         }
+
+    def _step_stats(self) -> dict:
+        """Step times and prefill per step over the last STEP_WINDOW steps, the token gap
+        the budget aims at, and the fitted step cost."""
+        steps = list(self._recent_steps)
+        times = [t for t, _, _ in steps]
+        mixed = [t for t, rows, tokens in steps if rows and tokens]
+        chunks = [tokens for _, _, tokens in steps if tokens]
+        q = lambda xs, p: float(np.quantile(xs, p)) if xs else None  # noqa: E731
+        accuracy = list(self.admission.accuracy)
+        return {"completion_over_prediction_p50": q(accuracy, 0.5), "completion_over_prediction_p90": q(accuracy, 0.9),
+                "step_s_p50": q(times, 0.5), "step_s_p99": q(times, 0.99),
+                "mixed_step_s_p50": q(mixed, 0.5), "mixed_step_s_p99": q(mixed, 0.99),
+                "prefill_tokens_per_step_p50": q(chunks, 0.5), "prefill_tokens_per_step_max": max(chunks, default=None),
+                "token_gap_target_s": self.budget.last_gap_s, "token_gap_s": self.admission.gap_s,
+                "step_cost": self.budget.cost.describe()}
 
     @property
     def error(self) -> Optional[BaseException]:
@@ -391,10 +425,16 @@ class Engine:
 
     def _finish_step(self, step) -> None:
         tokens = self.worker.finalize(step)
-        now = time.perf_counter()  # steps overlap: this one's time runs from the last one's end
-        self.admission.observe(now - max(self._last_finish, step.launched_at), sum(c.length for c in step.plan.prefills))
+        now = step.done_at or time.perf_counter()  # steps overlap: this one's time runs from the last one's end
+        seconds, plan = now - max(self._last_finish, step.launched_at), step.plan
         self._last_finish = now
-        outputs = self.scheduler.process(step.plan, tokens)
+        prefill = sum(c.length for c in plan.prefills)
+        self.admission.observe(seconds, prefill, len(plan.decode))
+        self._recent_steps.append((seconds, len(plan.decode), prefill))
+        if not self.ranks or self.ranks.leader:  # the followers take the leader's fit (_replay_commands)
+            self.budget.cost.observe(shape_of([p for _, p in plan.decode], [(c.start, c.length) for c in plan.prefills]),
+                                     seconds)
+        outputs = self.scheduler.process(plan, tokens)
         self._publish_stats()
         self._deliver(outputs)
 
@@ -428,12 +468,16 @@ class Engine:
                 out = self.scheduler.add(seq)
                 arg = (arg[0], seq.seed)
             elif cmd == "abort":
-                out = self.scheduler.abort(arg)
+                out = self.scheduler.abort(*arg)
             if cmd != "stop":  # followers get theirs when the loop ends (_leave_group)
                 applied.append((cmd, arg))
             if out is not None:
                 outputs.append(out)
         if self.ranks:
+            coef = self.budget.cost.coef
+            if coef is not None and (self._sent_coef is None or (coef != self._sent_coef).any()):
+                applied.append(("cost", coef.tolist()))  # every rank sizes steps alike
+                self._sent_coef = coef.copy()
             self.ranks.channel.send(applied)
         if taken:  # the figures changed
             self._publish_stats()
@@ -450,7 +494,9 @@ class Engine:
                     seq.matcher = self._grammar_compiler().compile(request.params.structured).new_matcher()
                 self.scheduler.add(seq)
             elif cmd == "abort":
-                self.scheduler.abort(arg)
+                self.scheduler.abort(*arg)
+            elif cmd == "cost":
+                self.budget.cost.coef = np.array(arg)
             elif cmd == "stop":
                 self._stop.set()
         if applied:
@@ -462,6 +508,8 @@ class Engine:
         earlier would have its consumers compete for the GIL with the building of the
         next step, which then reaches the device later."""
         for out in outputs:
+            if out.finished:
+                self.admission.finished(out)
             target = self._sinks.get(out.rid)
             if target is not None:
                 self._outbox.setdefault(target[0], []).append((target[1], out))
@@ -476,6 +524,7 @@ class Engine:
 MAX_CONSECUTIVE_FAILURES = 3  # then the loop dies and the replica reports itself unhealthy
 RANK_LOST = "a rank of this engine's group is gone: the group must restart"
 GROUP_WATCH_S = 0.5  # how often a rank checks that the others are still there
+STEP_WINDOW = 256  # recent steps behind the step-time figures of stats()
 HASHES_PERIOD_S = 0.25  # cached page hashes are re-listed at most this often while busy
 
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()

@@ -1,4 +1,6 @@
-"""Admission by queued work (admission.py): the estimate, and refusals on a real engine."""
+"""Admission that keeps its promises (admission.py): the prediction from measured steps,
+refusals with when to retry, and a real engine that refuses what it cannot finish in time
+while it serves what it took in full."""
 
 import asyncio
 import random
@@ -7,8 +9,8 @@ import pytest
 from conftest import collect, reference_greedy
 from tiny_models import make_tiny_model
 
-from mlx_worker import Engine, EngineConfig, Request, SamplingParams
-from mlx_worker.admission import Admission
+from mlx_worker import Engine, EngineConfig, Request, RequestOutput, SamplingParams
+from mlx_worker.admission import MIN_OUTPUTS, SAFETY, Admission
 from mlx_worker.page_manager import PageManager
 from mlx_worker.request import Sequence
 from mlx_worker.scheduler import Scheduler
@@ -24,53 +26,87 @@ def prompt(n, seed):
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def seq(rid, n, seed):
-    return Sequence.from_request(Request(rid=rid, prompt_ids=prompt(n, seed), params=SamplingParams(max_tokens=4)), 16)
+def seq(rid, n, seed, max_tokens=4, timeout_s=None):
+    req = Request(rid=rid, prompt_ids=prompt(n, seed), params=SamplingParams(max_tokens=max_tokens), timeout_s=timeout_s)
+    return Sequence.from_request(req, 16)
 
 
-def test_a_request_that_would_wait_past_the_limit_is_refused_with_when_to_retry():
+def measured(admission):
+    admission.observe(0.5, 0, 4)  # decode only: the gap, until a step with prefill beside decode rows
+    admission.observe(1.0, 1000, 0)  # prefill only: a rate no waiting request can count on once...
+    assert admission.seconds_per_token == pytest.approx(0.001) and admission.gap_s == pytest.approx(0.5)
+    admission.observe(2.0, 200, 4)  # ...200 prompt tokens beside 4 decode rows in 2 s is seen: 0.01 s a token
+    admission.observe(0.5, 0, 4)  # then a decode-only step says nothing
+    return admission
+
+
+def test_the_prediction_is_the_work_ahead_at_the_measured_rates():
     sched = Scheduler(PageManager(256, 16), set(), max_running=8, max_batched_tokens=512)
-    admission = Admission(max_queue_wait_s=10)
-    assert admission.refuse(seq("early", 3000, 1), sched) is None  # nothing measured yet: admitted
-    admission.observe(2.0, 200)  # a step: 200 prompt tokens in 2 s, 0.01 s a token
-    admission.observe(0.5, 0)  # a decode-only step tells nothing about prefill
+    admission = measured(Admission(request_timeout_s=100))
     assert admission.seconds_per_token == pytest.approx(0.01)
-    assert admission.refuse(seq("alone", 3000, 2), sched) is None  # 30 s of its own, but nothing ahead
+    gap = admission.gap_s
+    assert gap == pytest.approx(2.0)  # steps that prefill beside decode rows, as while a queue drains
     for i in range(3):
-        assert sched.add(seq(f"w{i}", 300, 3 + i)) is None  # 900 prompt tokens queued: 9 s
-    assert admission.refuse(seq("fits", 50, 6), sched) is None
-    assert sched.add(seq("fits", 200, 7)) is None  # 1,100 tokens: 11 s
-    out = admission.refuse(seq("late", 10, 8), sched)
+        assert sched.add(seq(f"w{i}", 300, 3 + i)) is None  # 900 prompt tokens queued
+    new = seq("new", 100, 7, max_tokens=50)
+    # Nothing finished yet: the output is predicted as its max_tokens.
+    assert admission.predict(new, sched) == pytest.approx((900 + 100) * 0.01 + 50 * gap)
+    for n in [10] * MIN_OUTPUTS:  # recent requests stopped after 10 tokens
+        admission.finished(RequestOutput(rid="done", token_ids=[], finished=True, finish_reason="stop",
+                                         num_output_tokens=n))
+    assert admission.output_tokens(50) == 10 and admission.output_tokens(4) == 4
+    assert admission.predict(new, sched) == pytest.approx(10.0 + 10 * gap)
+
+
+def test_what_cannot_finish_in_its_timeout_is_refused_with_when_to_retry():
+    sched = Scheduler(PageManager(512, 16), set(), max_running=8, max_batched_tokens=512)
+    admission = Admission(request_timeout_s=10)
+    assert admission.refuse(seq("alone", 3000, 2), sched) is None  # nothing ahead: always taken
+    assert sched.add(seq("first", 3000, 2)) is None
+    # Not measured yet: one step's worth of prompt tokens ahead at most.
+    out = admission.refuse(seq("early", 10, 1), sched)
+    assert out.error_code == "overloaded" and out.retry_after_s > 0 and "measured" in out.error
+    measured(admission)
+    out = admission.refuse(seq("late", 10, 8), sched)  # 30 s of prefill ahead: past 8 s
     assert out.finished and out.finish_reason == "error" and out.error_code == "overloaded"
-    assert out.retry_after_s == pytest.approx(1.0) and "11 s behind 1100 queued prompt tokens" in out.error
-    assert admission.num_refused == 1
-    assert Admission(max_queue_wait_s=None).refuse(seq("any", 10, 9), sched) is None
+    predicted = admission.predict(seq("late", 10, 8), sched)
+    assert out.retry_after_s == pytest.approx(predicted - SAFETY * 10)
+    assert "overloaded" in out.error and f"{predicted:.0f} s" in out.error
+    # The client's own timeout counts over the server's default.
+    assert admission.refuse(seq("patient", 10, 8, timeout_s=100), sched) is None
+    assert admission.num_refused == 2
+    assert Admission(request_timeout_s=None).refuse(seq("any", 10, 9), sched) is None
 
 
-def test_the_estimate_counts_only_what_the_prefix_cache_does_not_hold(model):
-    eng = Engine(EngineConfig(max_total_tokens=4096), model=model)
-    p = prompt(160, 1)
-    asyncio.run(collect(eng, Request(rid="a", prompt_ids=p, params=SamplingParams(max_tokens=2))))
-    again = Sequence.from_request(Request(rid="b", prompt_ids=p + [7, 8], params=SamplingParams()), 16)
-    assert eng.scheduler.uncached_tokens(again) == 162 - 160  # ten whole pages are cached
-    fresh = Sequence.from_request(Request(rid="c", prompt_ids=prompt(162, 2), params=SamplingParams()), 16)
-    assert eng.scheduler.uncached_tokens(fresh) == 162
-    eng.shutdown()
+def test_a_full_batch_adds_the_wait_for_a_slot():
+    sched = Scheduler(PageManager(512, 16), set(), max_running=2, max_batched_tokens=512)
+    admission = measured(Admission(request_timeout_s=1000))
+    for i, n in enumerate((40, 8)):
+        s = seq(f"r{i}", 16, i, max_tokens=n)
+        sched.add(s)
+    sched.schedule()  # both prefill and run: the batch is full
+    assert len(sched.running) == 2 and not sched.waiting
+    new = seq("new", 16, 9, max_tokens=1)
+    # The shorter running request frees its slot after its 8 tokens (one is scheduled).
+    assert admission.predict(new, sched) == pytest.approx((8 - 1) * admission.gap_s + admission.gap_s)
 
 
-def test_an_engine_over_its_queue_wait_refuses_and_goes_on_serving(model):
-    """With a limit no queue meets: long prompts taken before anything was measured are
-    still in prefill (8 tokens a step) when a request arrives; it is refused, as an
-    error output, and the others are served in full."""
-    eng = Engine(EngineConfig(max_total_tokens=8192, max_batched_tokens=8, max_queue_wait_s=1e-9), model=model)
+def test_an_engine_refuses_what_it_cannot_finish_and_serves_what_it_took(model):
+    """Once steps are measured, long prompts with a patient client are taken, prefilled 8
+    tokens a step; a request arriving while they run would finish long after its 50 ms:
+    refused as an error output, with when to retry, and the others are served in full
+    and token-exact."""
+    eng = Engine(EngineConfig(max_total_tokens=8192, max_batched_tokens=8, request_timeout_s=0.05), model=model)
     ps = [prompt(600, 3 + i) for i in range(3)]
 
-    def request(rid, ids, n):
-        return Request(rid=rid, prompt_ids=ids, params=SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0))
+    def request(rid, ids, n, timeout_s=None):
+        return Request(rid=rid, prompt_ids=ids, timeout_s=timeout_s,
+                       params=SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0))
 
     async def main():
-        taken = [asyncio.create_task(collect(eng, request(f"long{i}", p, 6))) for i, p in enumerate(ps)]
-        while eng.stats()["steps"] < 2:  # a step with prefill has been measured
+        await collect(eng, request("warm", prompt(20, 1), 3))  # steps with prefill and decode rows measured
+        taken = [asyncio.create_task(collect(eng, request(f"long{i}", p, 6, timeout_s=600))) for i, p in enumerate(ps)]
+        while eng.stats()["steps"] < 8:
             await asyncio.sleep(0.001)
         refused = await collect(eng, request("late", prompt(20, 9), 4))
         assert eng.stats()["queued_prefill_tokens"] > 0  # it was refused with prompts still queued
@@ -82,4 +118,41 @@ def test_an_engine_over_its_queue_wait_refuses_and_goes_on_serving(model):
     assert refused_toks == [] and last.error_code == "overloaded" and last.retry_after_s > 0
     st = eng.stats()
     assert st["refused_overloaded"] == 1 and st["queue_wait_s"] == 0 and st["kv_pages_used"] == 0
+    assert st["tokens_wasted"] == 0 and st["tokens_computed"] >= 3 * 600
+    eng.shutdown()
+
+
+def test_the_prediction_holds_against_measured_completions(model):
+    """Requests arriving over time on a real engine: each admitted one's completion,
+    divided by the prediction it was admitted on, is near or below 1 (the prediction is
+    meant to be safe, not wildly pessimistic)."""
+    eng = Engine(EngineConfig(max_total_tokens=16384, max_batched_tokens=64, request_timeout_s=600), model=model)
+
+    async def main():
+        async def one(i):
+            await asyncio.sleep(0.05 * i)
+            req = Request(rid=f"r{i}", prompt_ids=prompt(60 + 37 * (i % 5), i),
+                          params=SamplingParams(max_tokens=12, ignore_eos=True))
+            return await collect(eng, req)
+
+        return await asyncio.gather(*[one(i) for i in range(40)])
+
+    outs = asyncio.run(main())
+    assert all(len(t) == 12 for t, _ in outs)
+    accuracy = sorted(eng.admission.accuracy)
+    assert len(accuracy) >= 20
+    p50, p90 = accuracy[len(accuracy) // 2], accuracy[int(0.9 * len(accuracy))]
+    print(f"completion / prediction: p50 {p50:.2f} p90 {p90:.2f} over {len(accuracy)} requests")
+    assert 0.2 < p50 < 1.3 and p90 < 2.0
+    eng.shutdown()
+
+
+def test_the_estimate_counts_only_what_the_prefix_cache_does_not_hold(model):
+    eng = Engine(EngineConfig(max_total_tokens=4096), model=model)
+    p = prompt(160, 1)
+    asyncio.run(collect(eng, Request(rid="a", prompt_ids=p, params=SamplingParams(max_tokens=2))))
+    again = Sequence.from_request(Request(rid="b", prompt_ids=p + [7, 8], params=SamplingParams()), 16)
+    assert eng.scheduler.uncached_tokens(again) == 162 - 160  # ten whole pages are cached
+    fresh = Sequence.from_request(Request(rid="c", prompt_ids=prompt(162, 2), params=SamplingParams()), 16)
+    assert eng.scheduler.uncached_tokens(fresh) == 162
     eng.shutdown()
