@@ -18,9 +18,9 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlx_worker.paging import PAGE_SIZE, page_hashes
-from mlx_worker.sampling import SamplingParams
 
 from . import anthropic_api as A
+from . import client_timeout
 from . import embeddings_api as E
 from . import protocol as P
 from . import responses_api as R
@@ -35,6 +35,7 @@ api = FastAPI(title="macfarm", description="OpenAI-compatible LLM serving on a M
 # tokenizing a multi-MB prompt that cannot fit anyway blocks the ingress for seconds.
 BODY_BYTES_PER_TOKEN = 64
 ANTHROPIC_ROUTES = ("/v1/messages",)  # errors there take Anthropic's shape
+MAX_REPLICA_TRIES = 4  # replicas of one group tried in turn when they refuse a request as overloaded
 
 
 def _error(request: Request, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
@@ -86,6 +87,7 @@ class Ingress:
         self.max_body_bytes = max(1 << 20, BODY_BYTES_PER_TOKEN * self.max_model_len)
         # One deployment per replica group (app.py): several when replicas differ in size.
         self.generate = {g: h.options(stream=True, method_name="generate") for g, h in replicas.items()}
+        self.embed = {g: h.options(method_name="embed") for g, h in replicas.items()}
         self.stats_handles = {g: h.options(method_name="stats") for g, h in replicas.items()}
         self.groups = GroupPicker(weights or {g: 1.0 for g in replicas}) if len(replicas) > 1 else None
         self.harmony = is_harmony(self.tokenizer)  # gpt-oss
@@ -178,14 +180,11 @@ class Ingress:
             if len(ids) >= self.max_model_len:
                 raise P.ProtocolError(f"an input is {len(ids)} tokens; the model's context is {self.max_model_len}",
                                       "input", "context_length_exceeded")
-        params = SamplingParams(max_tokens=0, embedding=self.pooling)
-
-        async def embed(ids):
-            first, stream = await self._start(P.random_id("embd"), ids, params)
-            return (await self._rest(first, stream))[-1].embedding
-
-        vectors = await asyncio.gather(*[embed(ids) for ids in prompts])
-        return E.response(vectors, self.model_name, sum(map(len, prompts)), body.encoding_format)
+        # One replica call for all inputs: Serve routes an ingress request's concurrent
+        # calls by one shared internal id, and leaves all but the first unrouted (hangs).
+        payload = {"rid": P.random_id("embd"), "inputs": prompts, "pooling": self.pooling}
+        result = await self._on_replica(payload, page_hashes(prompts[0], self.page_size), self._embed_in)
+        return E.response(result["vectors"], self.model_name, sum(map(len, prompts)), body.encoding_format)
 
     # --- the shared path -------------------------------------------------------------
     def _auth(self, request: Request) -> None:
@@ -256,20 +255,49 @@ class Ingress:
         return P.to_sampling_params(body, self.args.default_max_tokens, self.max_model_len, n, tool_grammar)
 
     async def _start(self, rid: str, prompt_ids: List[int], params):
-        """Send a request to a replica (in the best group that takes it, when the app has
-        several): its first output and the rest of the stream."""
+        """Send a request to a replica: its first output and the rest of the stream."""
         hashes = page_hashes(prompt_ids, self.page_size)
         payload = {"rid": rid, "prompt_ids": prompt_ids, "params": params.model_dump(), "page_hashes": hashes}
+        return await self._on_replica(payload, hashes, self._start_in)
+
+    async def _on_replica(self, payload: dict, hashes: List[int], call):
+        """`call(group, payload, hashes)` on the best replica that takes the request: a
+        replica that refuses it as overloaded is avoided in the next try (the router
+        ranks it last), up to MAX_REPLICA_TRIES in a group, then the next group (when
+        the app has several) is tried; the last refusal is the answer (429)."""
+        payload["timeout_s"] = client_timeout.seconds_left()
         groups = self.groups.ranked(hashes) if self.groups else list(self.generate)
-        for i, group in enumerate(groups):
-            try:
-                return await self._start_in(group, payload, hashes)
-            except BackPressureError:
-                if i == len(groups) - 1:
-                    raise _overloaded(self.args.retry_after_s)
-            except P.ProtocolError as e:  # the replica refused it for its queued work
-                if e.code != "overloaded" or i == len(groups) - 1:
-                    raise
+        refusal = None
+        for group in groups:
+            avoid = []
+            for _ in range(MAX_REPLICA_TRIES):
+                try:
+                    return await call(group, {**payload, "avoid_engines": avoid}, hashes)
+                except BackPressureError:
+                    refusal = refusal or Overloaded("the server is overloaded; retry later", self.args.retry_after_s)
+                    break
+                except Overloaded as e:  # the replica predicts it cannot finish in time
+                    refusal = e if refusal is None or e.retry_after < refusal.retry_after else refusal
+                    if e.engine_id is None or e.engine_id in avoid:
+                        break  # no replica left that has not refused it
+                    avoid.append(e.engine_id)
+        raise refusal
+
+    async def _embed_in(self, group: str, payload: dict, hashes: List[int]) -> dict:
+        if self.groups:
+            self.groups.started(group, hashes)
+        try:
+            result = await self.embed[group].remote(payload)
+        except BackPressureError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the replica died or failed
+            raise _replica_failed(e)
+        finally:
+            if self.groups:
+                self.groups.finished(group)
+        if "error" in result:
+            raise _replica_error(result)
+        return result
 
     async def _start_in(self, group: str, payload: dict, hashes: List[int]):
         stream = self.generate[group].remote(payload)
@@ -286,7 +314,7 @@ class Ingress:
             raise _replica_failed(e)
         if isinstance(first, dict):
             stream.cancel()
-            raise P.ProtocolError(first["error"], status=first.get("status", 400))
+            raise _replica_error(first)
         if first.finish_reason == "error":
             raise _engine_error(first)
         return first, stream
@@ -306,6 +334,7 @@ class Ingress:
         return outs
 
     async def _body(self, request: Request) -> bytes:
+        client_timeout.start(request.headers)
         raw = await request.body()
         if len(raw) > self.max_body_bytes:
             raise P.ProtocolError(f"the request body is {len(raw)} bytes; at most {self.max_body_bytes} are accepted "
@@ -422,11 +451,17 @@ def _piece(parser: Optional[OutputParser], out) -> Parsed:
 
 def _engine_error(out) -> "P.ProtocolError":
     """The engine ended the request with an error: the client's (a prompt the KV pool can
-    never hold) is a 400, a refusal for queued work a 429, anything else a 500."""
-    if out.error_code == "overloaded":
-        return _overloaded(max(1, math.ceil(out.retry_after_s or 0)), out.error)
+    never hold) is a 400, anything else a 500."""
     status = 400 if out.error_code == "context_length_exceeded" else 500
     return P.ProtocolError(out.error or "request failed", code=out.error_code, status=status)
+
+
+def _replica_error(err: dict) -> "P.ProtocolError":
+    """An error the replica answered with before any output ({"error", "status", ...})."""
+    if err.get("code") == "overloaded":
+        return Overloaded(err["error"], err.get("retry_after_s") or 1, err.get("engine_id"))
+    return P.ProtocolError(err["error"], code=err.get("code"), status=err.get("status", 400))
+
 
 
 def _replica_failed(e: Exception) -> "P.ProtocolError":
@@ -434,10 +469,15 @@ def _replica_failed(e: Exception) -> "P.ProtocolError":
                            code="replica_failed", status=503)
 
 
-def _overloaded(retry_after: int, message: str = "the server is overloaded; retry later") -> "P.ProtocolError":
-    e = P.ProtocolError(message, code="overloaded", status=429)
-    e.headers = {"Retry-After": str(retry_after)}
-    return e
+class Overloaded(P.ProtocolError):
+    """429 with Retry-After: refused at once (by a replica that predicts it cannot finish
+    the request in time, or by Serve's queue limit)."""
+
+    def __init__(self, message: str, retry_after_s: float, engine_id: Optional[str] = None):
+        super().__init__(message, code="overloaded", status=429)
+        self.retry_after, self.engine_id = max(1, math.ceil(retry_after_s)), engine_id
+        self.headers = {"Retry-After": str(self.retry_after)}
+
 
 
 def _context_length(path: Path) -> int:

@@ -1,5 +1,6 @@
 """The replica deployment: one MLX engine per Mac, streaming outputs to the ingress."""
 
+import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator, Dict, Optional
@@ -49,7 +50,16 @@ class ReplicaMetrics:
         self.restaged = Counter("macfarm_decode_steps_restaged",
                                 description="Staged decode steps that first copied the whole batch in (new arrays for a batch that outgrew them).")
         self.refused = Counter("macfarm_requests_refused_overloaded",
-                               description="Requests refused (429) because their prompt would wait past max_queue_wait_s.")
+                               description="Requests refused (429) because they could not finish within their timeout (admission.py).")
+        self.computed = Counter("macfarm_tokens_computed", description="Prompt and output tokens run through the model.")
+        self.wasted = Counter("macfarm_tokens_wasted",
+                              description="Of those, tokens computed for requests then aborted (client gone) or failed.")
+        self.step_p50 = Gauge("macfarm_step_seconds_p50", description="Median step time over the last 256 steps.")
+        self.step_p99 = Gauge("macfarm_step_seconds_p99", description="99th percentile step time over the last 256 steps.")
+        self.chunk = Gauge("macfarm_prefill_tokens_per_step_p50",
+                           description="Median prompt tokens of the steps that prefill, over the last 256 steps.")
+        self.gap_target = Gauge("macfarm_token_gap_target_seconds",
+                                description="The step time a step with decode rows was last sized to (step_budget.py).")
         self.queue_wait = Gauge("macfarm_queue_wait_seconds",
                                 description="The queued prompt tokens at the measured prefill rate (admission.py).")
         self.host_ms = Gauge("macfarm_host_ms_per_step",
@@ -62,7 +72,7 @@ class ReplicaMetrics:
         self.hit_rate = Gauge("macfarm_prefix_cache_hit_rate",
                               description="Prompt tokens found in the prefix cache / prompt tokens looked up, since start.")
         self._seen = {"preemptions": 0, "evictions": 0, "decode_steps_staged": 0, "decode_steps_gathered": 0,
-                      "decode_steps_restaged": 0, "refused_overloaded": 0}
+                      "decode_steps_restaged": 0, "refused_overloaded": 0, "tokens_computed": 0, "tokens_wasted": 0}
 
     def update(self, st: Dict[str, Any]) -> None:
         """Gauges (and counters of cumulative engine totals) from `engine.stats()`."""
@@ -73,9 +83,14 @@ class ReplicaMetrics:
         self.host_ms.set(st["host_ms_per_step"])
         self.host_cpu_ms.set(st["host_cpu_ms_per_step"])
         self.queue_wait.set(st["queue_wait_s"] or 0.0)
+        for gauge, key in ((self.step_p50, "step_s_p50"), (self.step_p99, "step_s_p99"),
+                           (self.chunk, "prefill_tokens_per_step_p50"), (self.gap_target, "token_gap_target_s")):
+            if st[key] is not None:
+                gauge.set(st[key])
         for key, counter in (("preemptions", self.preemptions), ("evictions", self.evictions),
                              ("decode_steps_staged", self.staged), ("decode_steps_gathered", self.gathered),
-                             ("decode_steps_restaged", self.restaged), ("refused_overloaded", self.refused)):
+                             ("decode_steps_restaged", self.restaged), ("refused_overloaded", self.refused),
+                             ("tokens_computed", self.computed), ("tokens_wasted", self.wasted)):
             delta = st[key] - self._seen[key]
             if delta > 0:
                 counter.inc(delta)
@@ -102,10 +117,12 @@ class EngineReplica:
         self.metrics = ReplicaMetrics()
 
     async def generate(self, request: Dict[str, Any]) -> AsyncIterator[Any]:
-        """request: {"rid", "prompt_ids", "params": SamplingParams dict, "page_hashes"}."""
+        """request: {"rid", "prompt_ids", "params": SamplingParams dict, "page_hashes",
+        "timeout_s"}. Yields RequestOutputs; an error before any output is a dict
+        ({"error", "status", ...}: a refusal names this engine and when to retry)."""
         start = time.perf_counter()
         req = Request(rid=request["rid"], prompt_ids=request["prompt_ids"],
-                      params=SamplingParams(**request["params"]))
+                      params=SamplingParams(**request["params"]), timeout_s=request.get("timeout_s"))
         m = self.metrics
         last: Dict[int, float] = {}  # sample index -> when its previous delta came
         first = last_out = None
@@ -125,6 +142,10 @@ class EngineReplica:
                     m.output_tokens.inc(k)
                 if out.index == 0:
                     last_out = out
+                if first is None and out.finished and out.error_code == "overloaded":
+                    reason = "refused"
+                    yield self._refusal(out)
+                    return
                 yield out
             reason = (last_out.finish_reason if last_out is not None else None) or "stop"
         except ValueError as e:  # bad params the ingress could not check (e.g. vocab ids)
@@ -135,6 +156,37 @@ class EngineReplica:
             raise
         finally:
             self._request_done(m, start, last_out, reason)
+
+    async def embed(self, request: Dict[str, Any]) -> Dict[str, Any]:
+        """request: {"rid", "inputs": [token ids], "pooling", "timeout_s"}. All inputs of
+        one embeddings call in one replica call, computed together: {"vectors": [...]},
+        or an error dict as `generate` yields."""
+        params = SamplingParams(max_tokens=0, embedding=request["pooling"])
+
+        async def one(i, ids):
+            last = None
+            async for out in self.engine.generate(Request(rid=f"{request['rid']}-{i}", prompt_ids=ids, params=params,
+                                                          timeout_s=request.get("timeout_s"))):
+                last = out
+            return last
+
+        try:
+            outs = await asyncio.gather(*[one(i, ids) for i, ids in enumerate(request["inputs"])])
+        except ValueError as e:
+            return {"error": str(e), "status": 400}
+        failed = [o for o in outs if o.finish_reason == "error"]
+        refused = [o for o in failed if o.error_code == "overloaded"]
+        if refused:
+            return self._refusal(max(refused, key=lambda o: o.retry_after_s or 0))
+        if failed:
+            status = 400 if failed[0].error_code == "context_length_exceeded" else 500
+            return {"error": failed[0].error, "status": status, "code": failed[0].error_code}
+        return {"vectors": [o.embedding for o in outs]}
+
+    def _refusal(self, out) -> Dict[str, Any]:
+        """A request the engine refused as overloaded: which engine, and when to retry."""
+        return {"error": out.error, "status": 429, "code": "overloaded", "retry_after_s": out.retry_after_s,
+                "engine_id": self.engine_id}
 
     @staticmethod
     def _request_done(m: ReplicaMetrics, start: float, out, reason: str) -> None:
@@ -175,6 +227,7 @@ class EngineReplica:
             "running": st["running"],
             "waiting": st["waiting"],
             "kv_used": st["kv_pages_used"] / max(1, st["kv_pages_total"]),
+            "queue_wait_s": st["queue_wait_s"] or 0.0,
             "cached_page_hashes": hashes,
         }
 

@@ -74,6 +74,9 @@ class PrefixAffinityConfig(BaseModel):
     """Score cost per unit of load (one ongoing request), in pages."""
     kv_weight: float = Field(4.0, ge=0)
     """Load added by a full KV pool (kv_used = 1.0), in requests."""
+    wait_weight: float = Field(0.5, ge=0)
+    """Load added per second of the replica's predicted wait for a new prompt (its queued
+    prefill at its measured rate, `queue_wait_s`), in requests."""
     imbalance_threshold: float = Field(8.0, ge=0)
     """Fall back to least-loaded when max load - min load exceeds this (requests)..."""
     imbalance_ratio: float = Field(1.5, ge=0)
@@ -158,6 +161,7 @@ class ReplicaCacheState:
     running: int = 0
     waiting: int = 0
     kv_used: float = 0.0
+    queue_wait_s: float = 0.0
     inflight: int = 0  # requests this router routed there and not yet completed
     share: float = 0.0  # decayed count of this router's recent decisions for it
     cache_ok: bool = True  # False: incompatible page size, no cache credit
@@ -272,6 +276,7 @@ class PrefixAffinityPolicy:
         else:
             kv = st.kv_used
         st.kv_used = min(1.0, max(0.0, kv))
+        st.queue_wait_s = max(0.0, _num(stats, "queue_wait_s"))
 
         page_size = stats.get("page_size")
         st.cache_ok = page_size is None or _num(stats, "page_size", -1) == cfg.page_size
@@ -350,7 +355,8 @@ class PrefixAffinityPolicy:
         )
 
     def load(self, key: Hashable, ongoing: Optional[int] = None) -> float:
-        """Ongoing requests (Serve's count if known) + kv_weight * KV use."""
+        """Ongoing requests (Serve's count if known) + kv_weight * KV use + wait_weight *
+        predicted wait."""
         st = self.replicas.get(key)
         if st is None:
             return float(ongoing or 0)
@@ -358,7 +364,7 @@ class PrefixAffinityPolicy:
             q = ongoing
         else:
             q = max(st.reported_queue, st.inflight)
-        return float(q) + self.config.kv_weight * st.kv_used
+        return float(q) + self.config.kv_weight * st.kv_used + self.config.wait_weight * st.queue_wait_s
 
     def score(
         self,
@@ -444,28 +450,40 @@ class PrefixAffinityPolicy:
         page_hashes: Optional[Sequence[int]],
         now: float,
         ongoing: Optional[Mapping[Hashable, Optional[int]]] = None,
+        avoid: Iterable[Hashable] = (),
     ) -> Ranking:
         """`rank`, then record the first choice at once (optimistic insert), so the next
         request of a burst with the same prefix follows it even before Serve sends this
-        one. (pow2 leaves the pick to Serve: recorded when Serve assigns the replica.)"""
+        one. (pow2 leaves the pick to Serve: recorded when Serve assigns the replica.)
+        Replicas in `avoid` (they refused this request) are ranked last."""
         ranking = self.rank(keys, page_hashes, now, ongoing)
+        avoid = set(avoid)
+        if avoid:
+            groups = [[k for k in g if k not in avoid] for g in ranking.groups]
+            ranking.groups = [g for g in groups if g] + [[k] for k in dict.fromkeys(keys) if k in avoid]
         if page_hashes and ranking.groups and len(ranking.groups[0]) == 1:
             self.record_routed(ranking.groups[0][0], page_hashes, now)
         return ranking
 
 
-def extract_page_hashes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Optional[List[int]]:
-    """The `page_hashes` of a `generate(request: dict)` call (first arg or `request=`)."""
+def extract_field(args: Sequence[Any], kwargs: Mapping[str, Any], name: str) -> Any:
+    """Field `name` of a `generate(request: dict)` call's request (first arg or `request=`)."""
     objs = list(args or ())
     if kwargs:
         objs += [kwargs.get("request")] + [v for k, v in kwargs.items() if k != "request"]
     for obj in objs:
         if obj is None:
             continue
-        h = obj.get("page_hashes") if isinstance(obj, Mapping) else getattr(obj, "page_hashes", None)
-        if h is not None:
-            return h if isinstance(h, list) else list(h)
+        v = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+        if v is not None:
+            return v
     return None
+
+
+def extract_page_hashes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Optional[List[int]]:
+    """The `page_hashes` of a `generate(request: dict)` call."""
+    h = extract_field(args, kwargs, "page_hashes")
+    return None if h is None else (h if isinstance(h, list) else list(h))
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -528,7 +546,9 @@ class PrefixAffinityRouter(RequestRouter):
                 self._replica_queue_len_cache.get(r.replica_id) if use_cache else None
             )
         hashes = _request_hashes(pending_request)
-        ranking = policy.route(list(by_id), hashes, now, ongoing)
+        refused = set(_request_field(pending_request, "avoid_engines") or ())
+        avoid = [k for k in by_id if k in policy.replicas and policy.replicas[k].engine_id in refused]
+        ranking = policy.route(list(by_id), hashes, now, ongoing, avoid)
         return [[by_id[k] for k in g] for g in ranking.groups]
 
     def _record(self, pending_request: Optional[PendingRequest], replica_id: ReplicaID) -> None:
@@ -584,10 +604,18 @@ def _routing_stats(replica: Any) -> Optional[Mapping]:
 
 
 def _request_hashes(pending_request: Optional[PendingRequest]) -> Optional[List[int]]:
+    h = _request_field(pending_request, "page_hashes")
+    try:
+        return None if h is None else list(h)
+    except TypeError:
+        return None
+
+
+def _request_field(pending_request: Optional[PendingRequest], name: str) -> Any:
     if pending_request is None:
         return None
     try:
-        return extract_page_hashes(pending_request.args, pending_request.kwargs)
+        return extract_field(pending_request.args, pending_request.kwargs, name)
     except Exception:
         return None
 

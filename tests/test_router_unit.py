@@ -417,3 +417,24 @@ def test_router_engine_restart_via_new_stats():
         await asyncio.sleep(0)
 
     asyncio.run(main())
+
+
+# --- overload ------------------------------------------------------------------------------
+def test_predicted_wait_is_load():
+    """A replica whose queued prompts would keep a new one waiting counts as busier than
+    its request count says (wait_weight requests per second of predicted wait)."""
+    pol = policy(imbalance_threshold=100)
+    pol.observe("a", report(running=2, queue_wait_s=30.0, engine_id="ea"), 0.0)
+    pol.observe("b", report(running=4, queue_wait_s=0.0, engine_id="eb"), 0.0)
+    assert pol.load("a") == pytest.approx(2 + 0.5 * 30.0) and pol.load("b") == 4
+    assert best(pol.rank(["a", "b"], [], 0.0)) == ["b"]
+
+
+def test_a_replica_that_refused_is_ranked_last():
+    pol = policy()
+    pol.observe("a", report(SYS, engine_id="ea"), 0.0)
+    pol.observe("b", report(engine_id="eb"), 0.0)
+    assert best(pol.route(["a", "b"], SYS, 0.0)) == ["a"]  # the cached prefix wins...
+    ranking = pol.route(["a", "b"], SYS, 0.0, avoid=["a"])  # ...unless "a" refused this request
+    assert ranking.groups == [["b"], ["a"]]
+    assert pol.route(["a"], SYS, 0.0, avoid=["a"]).groups == [["a"]]  # no other: still tried

@@ -24,7 +24,10 @@ def served(tmp_path_factory):
         run_app(base, "small", "/small", model=path, model_name="tiny", engine=ENGINE, router="pow2",
                 max_ongoing_requests=1, max_queued_requests=1)
         run_app(base, "strict", "/strict", model=path, model_name="tiny", router="pow2",
-                engine={**ENGINE, "max_batched_tokens": 2, "max_queue_wait_s": 1e-9})  # no queue is short enough
+                engine={**ENGINE, "max_batched_tokens": 2, "request_timeout_s": 1e-3})  # nothing ahead is short enough
+        run_app(base, "pair", "/pair", model=path, model_name="tiny", num_replicas=2, engine={
+            **ENGINE, "max_batched_tokens": 2, "request_timeout_s": 1e-3},  # refuses whatever has work ahead
+            router_kwargs={"load_weight": 0, "kv_weight": 0, "wait_weight": 0, "balance_window": 0})  # prefix only
         run_app(base, "hybrid", "/hybrid", model=str(tiny_model_dir(tmp_path_factory, "qwen3_next")),
                 model_name="tiny-hybrid", engine=ENGINE, router="pow2")
         model, tok = mlx_load(path)
@@ -252,9 +255,9 @@ def test_overload_gives_429_with_retry_after(served):
 
 
 def test_a_replica_over_its_queue_wait_refuses_with_429_and_retry_after(served):
-    """The engine refuses a request that would wait past max_queue_wait_s behind queued
-    prompts: the client gets 429 + Retry-After in its API's error shape, before any
-    stream starts, and the request already taken is served in full."""
+    """The engine refuses a request that cannot finish within its timeout behind the
+    request it is serving: the client gets 429 + Retry-After in its API's error shape,
+    before any stream starts, and the request already taken is served in full."""
     url = f"{served[0]}/strict/v1"
 
     def stats():
@@ -269,7 +272,7 @@ def test_a_replica_over_its_queue_wait_refuses_with_429_and_retry_after(served):
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         err = _err(r)
         assert err["type"] == "rate_limit_error" and err["code"] == "overloaded"
-        assert "overloaded" in err["message"] and "queued prompt tokens" in err["message"]
+        assert "overloaded" in err["message"] and "retry later" in err["message"]
         r = httpx.post(f"{url}/chat/completions", timeout=60,
                        json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
         assert r.status_code == 429 and _err(r)["code"] == "overloaded"
@@ -279,6 +282,29 @@ def test_a_replica_over_its_queue_wait_refuses_with_429_and_retry_after(served):
         assert long.result().status_code == 200 and long.result().json()["usage"]["completion_tokens"] == 4
     st = stats()
     assert st["refused_overloaded"] == 3 and st["running"] == 0 and st["kv_pages_used"] == 0
+
+
+def test_a_refusal_sends_the_request_to_the_next_replica(served):
+    """The router sends a prompt to the replica that holds its prefix; that replica, busy
+    with the first prompt, refuses it (it cannot finish in time); the ingress then tries
+    the other replica, which takes it: the client never sees the refusal."""
+    url = f"{served[0]}/pair/v1"
+    text = "word " * 900
+    with ThreadPoolExecutor(1) as pool:  # ~900 prompt tokens, 2 a step: in prefill for a second or more
+        first = pool.submit(httpx.post, f"{url}/completions", timeout=120,
+                            json={"prompt": text, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        time.sleep(0.3)
+        r = httpx.post(f"{url}/completions", timeout=120, json={"prompt": text + "and more", "max_tokens": 2})
+        assert first.result().status_code == 200
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # served where nothing was cached
+    engines = {}
+    for _ in range(50):  # /stats reaches one replica a call: ask until both answered
+        st = httpx.get(f"{url}/stats", timeout=10).json()["replica"]
+        engines[st["engine_id"]] = st
+        if len(engines) == 2:
+            break
+    assert sum(st["refused_overloaded"] for st in engines.values()) == 1  # it was refused once, then taken
 
 
 def test_client_disconnect_aborts_the_request(served):
