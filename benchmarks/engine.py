@@ -11,6 +11,9 @@ one with EngineConfig's defaults, as deployed), built one at a time:
            prompt vs one whose first 1,000 tokens are cached.
   churn    one seeded Poisson arrival schedule of mixed prompt and output lengths through
            the engine and BatchGenerator: tok/s, TTFT and inter-token latency.
+  budget   the same churn schedule through the engine with steps sized in time (the
+           default, step_budget.py) and in tokens (every step max_batched_tokens, as before
+           it): tok/s and the token gap, p50 / p99.
   long     4 prompts of 1,536 and 4 of 8,192 tokens, all at once: e2e and decode tok/s, and
            the decode step while all 4 rows decode (the engine's rows start and end apart).
   host     host work per step at decode batches of 32 and 128 rows.
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_worker  # noqa: E402  (OpenBLAS before mlx on Linux)
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 from mlx_lm import stream_generate  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
@@ -41,7 +45,7 @@ from mlx_worker.loader import load_model  # noqa: E402
 from traffic import Arrival, Trace, full_batch_itl, prompts, schedule, summarize  # noqa: E402  (benchmarks/traffic.py)
 from random_models import CONFIGS as RANDOM_CONFIGS, random_model  # noqa: E402
 
-SCENARIOS = ("uniform", "churn", "long", "host", "mixed")
+SCENARIOS = ("uniform", "churn", "budget", "long", "host", "mixed")
 # mlx_lm.server's BatchGenerator: --decode-concurrency, --prompt-concurrency, --prefill-step-size.
 SERVER_BG = dict(completion_batch_size=32, prefill_batch_size=8, prefill_step_size=2048)
 FULL = dict(prompt_len=128, output_len=128, concurrency=[1, 4, 16], prefix_len=1000, repeat=3,
@@ -293,6 +297,26 @@ def run_churn(engine, model, args):
              "itl": (1e3 * en["itl_p95"], 1e3 * bg["itl_p95"]), "host": d["host_ms_per_step"]}]
 
 
+def run_budget(model, tokenizer, pool, args):
+    sched = schedule(args.requests, args.rate, args.churn_prompt, args.churn_output, seed=args.seed)
+    print(f"\n## Step budget in time vs in tokens: churn, {args.requests} requests, Poisson {args.rate}/s, prompts "
+          f"{args.churn_prompt[0]}..{args.churn_prompt[1]}, outputs {args.churn_output[0]}..{args.churn_output[1]}")
+    print(f"{'step budget':<14}{'tok/s':>8}{'TTFT p50 ms':>13}{'gap p50 ms':>12}{'p99':>8}{'max':>8}{'span s':>8}")
+    res = {}
+    for budget in ("tokens", "time"):
+        engine = build_engine(model, tokenizer, pool, 64, step_budget=budget)
+        trace = engine_schedule(engine, sched, f"budget-{budget}")
+        engine.shutdown()
+        s, gaps = summarize(trace), [y - x for t in trace.tokens for x, y in zip(t, t[1:])]
+        res[budget] = {**s, "gap_p99": float(np.percentile(gaps, 99))}
+        print(f"{budget:<14}{s['tok_s']:>8.1f}{1e3 * s['ttft_p50']:>13.0f}{1e3 * s['itl_p50']:>12.0f}"
+              f"{1e3 * res[budget]['gap_p99']:>8.0f}{1e3 * s['itl_max']:>8.0f}{s['span']:>8.1f}")
+    t, k = res["time"], res["tokens"]
+    print(f"time / tokens: tok/s {t['tok_s'] / k['tok_s']:.2f}x (target >= 0.95x), gap p99 "
+          f"{t['gap_p99'] / k['gap_p99']:.2f}x")
+    return [{"scenario": "budget", "e2e": t["tok_s"] / k["tok_s"], "itl": (1e3 * t["gap_p99"], 1e3 * k["gap_p99"])}]
+
+
 def run_long(engine, model, args):
     first = "engine" if args.long_engine_first else "BatchGenerator"
     print(f"\n## Long context ({args.long_n} prompts at once, {args.long_output} output tokens each, greedy; "
@@ -458,10 +482,10 @@ def run_mixed(engine, args):
 
 
 # --- driver -------------------------------------------------------------------------------
-def build_engine(model, tokenizer, pool, max_running):
+def build_engine(model, tokenizer, pool, max_running, **config):
     """An engine with a pool of `pool` tokens, or EngineConfig's default pool ("default")."""
     size = {} if pool == "default" else {"max_total_tokens": int(pool)}
-    engine = Engine(EngineConfig(max_running_requests=max_running, **size), model=model, tokenizer=tokenizer)
+    engine = Engine(EngineConfig(max_running_requests=max_running, **size, **config), model=model, tokenizer=tokenizer)
     bench_engine(engine, prompts(2, 16, 98), 4, "warm")  # graph caches, allocator
     return engine
 
@@ -543,6 +567,7 @@ def main():
               f"{engine.stats()['kv_pages_total'] * engine.stats()['page_size']} tokens")
         runs = {"uniform": lambda: run_uniform(engine, model, tokenizer, args),
                 "churn": lambda: run_churn(engine, model, args),
+                "budget": lambda: run_budget(model, tokenizer, pool, args),
                 "long": lambda: run_long(engine, model, args),
                 "host": lambda: run_host(engine, model, args),
                 "mixed": lambda: run_mixed(engine, args)}  # last: its aborted request never overlaps others
