@@ -2,17 +2,24 @@
 
 A request's completion is predicted from what the engine measures under its current
 load: the prompt tokens queued ahead of it and its own, at the prefill rate of recent
-steps that prefilled beside decode rows (while a queue drains, steps carry both: the
-decode rows' share is in that rate; a step that only prefills runs at a rate no
-waiting request can count on); a running slot, when all are taken, freed as the running
+steps that prefilled beside decode rows (while a queue drains, steps carry both, so the
+decode rows' share is in that rate; a step that only prefills runs at a rate no waiting
+request can count on); a running slot, when all are taken, freed as the running
 requests finish; and its output, as long as recent requests' outputs were (capped by
-its max_tokens), one token per step at the recent time of such steps. A request whose prediction passes SAFETY x its timeout (the
+its max_tokens), one token per step at the recent time of steps with decode rows.
+
+That model is then calibrated by what it got wrong: each admitted request's completion
+is divided by the prediction it was admitted on, and the prediction is scaled by the
+CALIBRATION_QUANTILE of those recent ratios. Whatever the model misses (the steps
+that later admissions' prompts add to a request's decode, another process on the
+cores), the scale learns. A request whose prediction passes SAFETY x its timeout (the
 client's, or `request_timeout_s`) is refused at once with `overloaded` and a
 `retry_after_s`: the excess, about when the work ahead will have drained enough.
 
-Until steps are measured, only one step's worth of prompt tokens is admitted ahead of
-a request. A request with nothing queued or running ahead of it is always taken: no
-wait would make it faster. Admitted requests are never starved by later ones: prompts
+A request with nothing queued or running ahead of it is always taken: no wait would
+make it faster. Until steps are measured, no other is (the first request's steps are
+measured within seconds), and until MIN_CALIBRATION completions have been seen, the
+model's predictions are doubled. Admitted requests are not starved by later ones: prompts
 are prefilled in arrival order, and every step advances every decoding row.
 """
 
@@ -29,34 +36,33 @@ DECAY = 0.9  # per measured step: the estimates follow a change of load within ~
 SAFETY = 0.8  # admit when the prediction is within this share of the timeout
 OUTPUT_QUANTILE = 0.8  # of recent outputs (capped by the request's max_tokens)
 MIN_OUTPUTS = 8  # recent outputs needed before they predict; until then max_tokens does
+CALIBRATION_QUANTILE = 0.9  # of recent completion / model prediction ratios
+MIN_CALIBRATION = 8  # completions needed before they scale predictions
+CALIBRATION_RANGE = (0.25, 4.0)  # a scale outside it says the model is broken, not slightly off
+PRIOR_CALIBRATION = 2.0  # until then: the model misses what later admissions add (seen here: p90 ~1.8x)
+MIN_PREDICTED_STEPS = 4  # a prediction shorter than this many steps is judged as this long: overheads dominate it
 
 
 class Admission:
-    def __init__(self, request_timeout_s: Optional[float] = None, max_batched_tokens: int = 2048):
+    def __init__(self, request_timeout_s: Optional[float] = None):
         self.request_timeout_s = request_timeout_s
-        self.max_batched_tokens = max_batched_tokens
-        self._seconds = self._tokens = 0.0  # decayed steps with prefill and decode rows: their time and prompt tokens
-        self._alone = [0.0, 0.0]  # the same of steps that only prefill: until a mixed step is seen
-        self._gap_s: Optional[float] = None  # decayed time of steps with decode rows (with prefill, once seen)
-        self._mixed_seen = False
+        self._mixed = [0.0, 0.0]  # decayed steps with prefill beside decode rows: seconds, prompt tokens
+        self._alone = [0.0, 0.0]  # the same of steps that only prefill: until a mixed one is seen
+        self._gap_s: Optional[float] = None  # decayed time of steps with decode rows
         self._outputs: deque = deque(maxlen=256)  # recent requests' output lengths; None: cut by max_tokens
-        self._admitted: Dict[str, Tuple[float, float]] = {}  # rid -> (when, predicted seconds)
-        self.accuracy: deque = deque(maxlen=256)  # recent requests' actual / predicted completion time
+        self._admitted: Dict[str, Tuple[float, float, float]] = {}  # rid -> (when, model's prediction, calibrated)
+        self._errors: deque = deque(maxlen=64)  # recent completions / the model's predictions
+        self.accuracy: deque = deque(maxlen=256)  # recent completions / the (calibrated) predictions acted on
         self.num_refused = 0  # by the engine loop
         self.num_refused_early = 0  # in callers' threads (refuse_early)
 
     # --- what the engine measures ------------------------------------------------------
     def observe(self, seconds: float, prefill_tokens: int, decode_rows: int) -> None:
         """A finished step that took `seconds`."""
-        if prefill_tokens and decode_rows:
-            self._seconds = DECAY * self._seconds + seconds
-            self._tokens = DECAY * self._tokens + prefill_tokens
-        elif prefill_tokens:
-            self._alone = [DECAY * self._alone[0] + seconds, DECAY * self._alone[1] + prefill_tokens]
-        mixed = bool(prefill_tokens and decode_rows)
-        if decode_rows and (mixed or not self._mixed_seen):  # decode-only steps until a mixed one is seen
-            if mixed and not self._mixed_seen:
-                self._gap_s, self._mixed_seen = None, True
+        if prefill_tokens:
+            rate = self._mixed if decode_rows else self._alone
+            rate[0], rate[1] = DECAY * rate[0] + seconds, DECAY * rate[1] + prefill_tokens
+        if decode_rows:
             self._gap_s = seconds if self._gap_s is None else DECAY * self._gap_s + (1 - DECAY) * seconds
 
     def finished(self, out: RequestOutput) -> None:
@@ -65,16 +71,25 @@ class Admission:
         admitted = self._admitted.pop(out.rid, None)
         if out.finish_reason not in ("stop", "length"):
             return
-        if out.num_output_tokens:
-            self._outputs.append(None if out.finish_reason == "length" else out.num_output_tokens)
+        if not out.num_output_tokens:  # an embedding, or the prompt's logprobs only
+            return
+        self._outputs.append(None if out.finish_reason == "length" else out.num_output_tokens)
         if admitted is not None:
-            self.accuracy.append((time.perf_counter() - admitted[0]) / admitted[1])
+            took = time.perf_counter() - admitted[0]
+            self._errors.append(took / admitted[1])
+            self.accuracy.append(took / admitted[2])
+
+    @property
+    def calibration(self) -> float:
+        """The scale of the model's predictions: what recent completions took of them."""
+        if len(self._errors) < MIN_CALIBRATION:
+            return PRIOR_CALIBRATION
+        return float(np.clip(np.quantile(self._errors, CALIBRATION_QUANTILE), *CALIBRATION_RANGE))
 
     @property
     def seconds_per_token(self) -> Optional[float]:
-        if self._tokens:
-            return self._seconds / self._tokens
-        return self._alone[0] / self._alone[1] if self._alone[1] else None
+        seconds, tokens = self._mixed if self._mixed[1] else self._alone
+        return seconds / tokens if tokens else None
 
     @property
     def gap_s(self) -> Optional[float]:
@@ -94,7 +109,8 @@ class Admission:
 
     # --- the decision ------------------------------------------------------------------
     def predict(self, seq: Sequence, scheduler: Scheduler) -> Optional[float]:
-        """Seconds until `seq` would finish if admitted now; None: not yet measured."""
+        """The model's seconds until `seq` would finish if admitted now (uncalibrated);
+        None: not yet measured."""
         if self._gap_s is None:
             return None
         return self._estimate(scheduler.queued_prefill_tokens() + scheduler.uncached_tokens(seq),
@@ -106,15 +122,18 @@ class Admission:
             return None
         return max(prefill_tokens * per_token, slot_wait) + self.output_tokens(max_tokens) * gap
 
-    def refuse_early(self, request: Request, queued_tokens: int) -> Optional[RequestOutput]:
+    def refuse_early(self, request: Request, stats: dict) -> Optional[RequestOutput]:
         """A refusal decided in the caller's thread, before the request reaches the engine
-        loop (which takes it only between steps): when even a lower bound of its
-        completion (the prompts queued as of the last step, none of its own) is past
-        its timeout. None: the engine decides."""
+        loop (which takes it only between steps): when, as of the last step (`stats`),
+        requests are ahead of it and even a lower bound of its completion (the prompts
+        queued, none of its own) is past its timeout. None: the engine decides."""
         timeout = request.timeout_s or self.request_timeout_s
-        predicted = self._estimate(queued_tokens, 0.0, request.params.max_tokens)
-        if timeout is None or predicted is None or predicted <= SAFETY * timeout:
+        if timeout is None or not (stats["running"] or stats["waiting"]):
             return None
+        predicted = self._estimate(stats["queued_prefill_tokens"], 0.0, request.params.max_tokens)
+        if predicted is None or predicted * self.calibration <= SAFETY * timeout:
+            return None
+        predicted *= self.calibration
         self.num_refused_early += 1
         return RequestOutput(rid=request.rid, token_ids=[], finished=True, finish_reason="error",
                              error=self._refusal_message(predicted, timeout), error_code="overloaded",
@@ -137,20 +156,19 @@ class Admission:
     def refuse(self, seq: Sequence, scheduler: Scheduler) -> Optional[RequestOutput]:
         """The refusal of `seq` when it could not finish within its timeout; None: admit it."""
         timeout = seq.timeout_s or self.request_timeout_s
-        if timeout is None or not (scheduler.waiting or scheduler.running):
+        if timeout is None:
             return None
-        predicted = self.predict(seq, scheduler)
+        model = self.predict(seq, scheduler)
+        predicted = None if model is None else model * self.calibration
         allowed = SAFETY * timeout
-        if predicted is None:  # not measured yet: one step's worth of prompts ahead at most
-            queued = scheduler.queued_prefill_tokens()
-            if queued < self.max_batched_tokens:
-                return None
-            message = (f"the server is overloaded: {queued} prompt tokens are queued before it has measured its "
-                       "speed; retry later")
-            retry = 2.0
-        elif predicted <= allowed:
-            self._admitted[seq.rid] = (time.perf_counter(), max(predicted, 1e-6))
+        if not (scheduler.waiting or scheduler.running) or (predicted is not None and predicted <= allowed):
+            if predicted is not None:  # to measure the prediction against the completion
+                least = MIN_PREDICTED_STEPS * self._gap_s + 1e-6
+                self._admitted[seq.rid] = (time.perf_counter(), max(model, least), max(predicted, least))
             return None
+        if predicted is None:  # not measured yet: nothing ahead of it, or not taken
+            message = "the server is busy and has not measured its speed yet; retry later"
+            retry = 2.0
         else:
             message, retry = self._refusal_message(predicted, timeout), predicted - allowed
         self.num_refused += 1

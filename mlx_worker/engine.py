@@ -107,7 +107,7 @@ class Engine:
                              scratch_bytes=self.activation_bytes)
         self.kv_bytes_per_token = kv_bytes_per_token(tree.kv, tree.kv_dtype)
         self.state_bytes_per_request = tree.state_bytes
-        self.admission = Admission(config.request_timeout_s, config.max_batched_tokens)
+        self.admission = Admission(config.request_timeout_s)
         self._recent_steps: deque = deque(maxlen=STEP_WINDOW)  # (seconds, decode rows, prefill tokens)
         self._sent_coef = None  # the step cost coefficients the followers have
         self._last_finish = 0.0  # when the last step finished (perf_counter)
@@ -181,7 +181,7 @@ class Engine:
     async def _generate_one(self, request: Request, index: int, detokenize: bool) -> AsyncIterator[RequestOutput]:
         if self._error is not None:
             raise RuntimeError("engine loop died") from self._error
-        refusal = self.admission.refuse_early(request, self._stats["queued_prefill_tokens"])
+        refusal = self.admission.refuse_early(request, self._stats)
         if refusal is not None:  # at once, not at the engine loop's next turn
             refusal.index = index
             yield refusal
@@ -294,6 +294,7 @@ class Engine:
         q = lambda xs, p: float(np.quantile(xs, p)) if xs else None  # noqa: E731
         accuracy = list(self.admission.accuracy)
         return {"completion_over_prediction_p50": q(accuracy, 0.5), "completion_over_prediction_p90": q(accuracy, 0.9),
+                "prediction_calibration": self.admission.calibration,
                 "step_s_p50": q(times, 0.5), "step_s_p99": q(times, 0.99),
                 "mixed_step_s_p50": q(mixed, 0.5), "mixed_step_s_p99": q(mixed, 0.99),
                 "prefill_tokens_per_step_p50": q(chunks, 0.5), "prefill_tokens_per_step_max": max(chunks, default=None),

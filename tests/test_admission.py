@@ -4,13 +4,14 @@ while it serves what it took in full."""
 
 import asyncio
 import random
+import time
 
 import pytest
 from conftest import collect, reference_greedy
 from tiny_models import make_tiny_model
 
 from mlx_worker import Engine, EngineConfig, Request, RequestOutput, SamplingParams
-from mlx_worker.admission import MIN_OUTPUTS, SAFETY, Admission
+from mlx_worker.admission import MIN_OUTPUTS, PRIOR_CALIBRATION, SAFETY, Admission
 from mlx_worker.page_manager import PageManager
 from mlx_worker.request import Sequence
 from mlx_worker.scheduler import Scheduler
@@ -32,11 +33,11 @@ def seq(rid, n, seed, max_tokens=4, timeout_s=None):
 
 
 def measured(admission):
-    admission.observe(0.5, 0, 4)  # decode only: the gap, until a step with prefill beside decode rows
+    admission.observe(0.5, 0, 4)  # decode only: the gap between tokens
     admission.observe(1.0, 1000, 0)  # prefill only: a rate no waiting request can count on once...
     assert admission.seconds_per_token == pytest.approx(0.001) and admission.gap_s == pytest.approx(0.5)
     admission.observe(2.0, 200, 4)  # ...200 prompt tokens beside 4 decode rows in 2 s is seen: 0.01 s a token
-    admission.observe(0.5, 0, 4)  # then a decode-only step says nothing
+    admission.observe(0.5, 0, 4)
     return admission
 
 
@@ -45,7 +46,7 @@ def test_the_prediction_is_the_work_ahead_at_the_measured_rates():
     admission = measured(Admission(request_timeout_s=100))
     assert admission.seconds_per_token == pytest.approx(0.01)
     gap = admission.gap_s
-    assert gap == pytest.approx(2.0)  # steps that prefill beside decode rows, as while a queue drains
+    assert 0.5 < gap < 2.0  # decayed over the steps with decode rows
     for i in range(3):
         assert sched.add(seq(f"w{i}", 300, 3 + i)) is None  # 900 prompt tokens queued
     new = seq("new", 100, 7, max_tokens=50)
@@ -63,19 +64,34 @@ def test_what_cannot_finish_in_its_timeout_is_refused_with_when_to_retry():
     admission = Admission(request_timeout_s=10)
     assert admission.refuse(seq("alone", 3000, 2), sched) is None  # nothing ahead: always taken
     assert sched.add(seq("first", 3000, 2)) is None
-    # Not measured yet: one step's worth of prompt tokens ahead at most.
+    # Not measured yet: only with nothing ahead.
     out = admission.refuse(seq("early", 10, 1), sched)
     assert out.error_code == "overloaded" and out.retry_after_s > 0 and "measured" in out.error
     measured(admission)
     out = admission.refuse(seq("late", 10, 8), sched)  # 30 s of prefill ahead: past 8 s
     assert out.finished and out.finish_reason == "error" and out.error_code == "overloaded"
-    predicted = admission.predict(seq("late", 10, 8), sched)
+    predicted = admission.calibration * admission.predict(seq("late", 10, 8), sched)  # the prior: no completions yet
     assert out.retry_after_s == pytest.approx(predicted - SAFETY * 10)
     assert "overloaded" in out.error and f"{predicted:.0f} s" in out.error
     # The client's own timeout counts over the server's default.
     assert admission.refuse(seq("patient", 10, 8, timeout_s=100), sched) is None
     assert admission.num_refused == 2
     assert Admission(request_timeout_s=None).refuse(seq("any", 10, 9), sched) is None
+
+
+def test_predictions_are_scaled_by_what_recent_completions_took_of_them():
+    sched = Scheduler(PageManager(512, 16), set(), max_running=8, max_batched_tokens=512)
+    admission = measured(Admission(request_timeout_s=1000))
+    assert admission.calibration == PRIOR_CALIBRATION  # no completions seen yet
+    sched.add(seq("ahead", 100, 1))
+    model = admission.predict(seq("x", 100, 2, timeout_s=100), sched)
+    for i in range(8):  # completions that took three times what the model said
+        admission._admitted[f"done{i}"] = (time.perf_counter() - 3.0, 1.0, 1.0)
+        admission.finished(RequestOutput(rid=f"done{i}", token_ids=[], finished=True, finish_reason="length",
+                                         num_output_tokens=4))
+    assert admission.calibration == pytest.approx(3.0, rel=0.01)
+    assert admission.refuse(seq("x", 100, 2, timeout_s=2.5 * model / SAFETY), sched) is not None
+    assert admission.refuse(seq("y", 100, 3, timeout_s=3.5 * model / SAFETY), sched) is None
 
 
 def test_a_full_batch_adds_the_wait_for_a_slot():

@@ -18,7 +18,8 @@ STEP_BUDGET = 32 << 20  # far above a tiny model's activations, far below one la
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine(EngineConfig(max_total_tokens=POOL_TOKENS), model=make_tiny_model("llama"))
+    # Steps in tokens: the mixes these tests need run whatever they cost (a time budget would cut them).
+    eng = Engine(EngineConfig(max_total_tokens=POOL_TOKENS, step_budget="tokens"), model=make_tiny_model("llama"))
     assert eng.pool.nbytes >= 1 << 30
     yield eng
     eng.shutdown()

@@ -76,44 +76,51 @@ def model():
 
 
 def test_an_engine_keeps_its_steps_near_the_gap_while_prompts_arrive(model):
-    """Rows decoding while long prompts arrive: once costs are measured, steps with decode
-    rows are cut to the gap instead of carrying max_batched_tokens of prefill; their
-    measured times are predicted by the fit; every request's greedy tokens equal mlx-lm's."""
+    """Rows decoding while long prompts arrive, with a gap this fast machine notices (a
+    tiny model's decode step is a few ms). The first round teaches the fit what prefill
+    costs; in the second, steps with decode rows are cut to the gap instead of carrying
+    max_batched_tokens of prefill, and their measured times are predicted by the fit.
+    Every request's greedy tokens equal mlx-lm's."""
     rng = random.Random(3)
-    short = [[rng.randrange(100, 40000) for _ in range(20)] for _ in range(4)]
-    long = [[rng.randrange(100, 40000) for _ in range(900)] for _ in range(3)]
-    eng = Engine(EngineConfig(max_total_tokens=16384, max_batched_tokens=2048, min_prefill_tokens=16), model=model)
+    eng = Engine(EngineConfig(max_total_tokens=32768, max_batched_tokens=2048, min_prefill_tokens=16,
+                              max_token_gap_s=0.01), model=model)
     log = []
     finish = eng._finish_step
 
     def record(step):
         t0 = max(eng._last_finish, step.launched_at)
         finish(step)
-        plan = step.plan
-        log.append((eng._last_finish - t0, shape_of([p for _, p in plan.decode], [(c.start, c.length) for c in plan.prefills]),
-                    eng.budget.cost.predict(shape_of([p for _, p in plan.decode], [(c.start, c.length) for c in plan.prefills]))))
+        shape = shape_of([p for _, p in step.plan.decode], [(c.start, c.length) for c in step.plan.prefills])
+        log.append((eng._last_finish - t0, shape, eng.budget.cost.predict(shape)))
 
     eng._finish_step = record
 
     def request(rid, ids, n):
         return Request(rid=rid, prompt_ids=ids, params=SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0))
 
-    async def main():
-        rows = [asyncio.create_task(collect(eng, request(f"s{i}", p, 60))) for i, p in enumerate(short)]
-        while eng.stats()["steps"] < 12:
-            await asyncio.sleep(0.005)
-        late = [asyncio.create_task(collect(eng, request(f"l{i}", p, 4))) for i, p in enumerate(long)]
+    async def round_(tag, short, long):
+        rows = [asyncio.create_task(collect(eng, request(f"{tag}s{i}", p, 60))) for i, p in enumerate(short)]
+        while not all(eng.scheduler.by_rid.get(f"{tag}s{i}") and eng.scheduler.by_rid[f"{tag}s{i}"].next_input is not None
+                      for i in range(len(short))):
+            await asyncio.sleep(0.002)  # every short prompt is decoding
+        late = [asyncio.create_task(collect(eng, request(f"{tag}l{i}", p, 4))) for i, p in enumerate(long)]
         return await asyncio.gather(*rows, *late)
 
-    outs = asyncio.run(main())
+    for tag in ("learn", "cut"):
+        short = [[rng.randrange(100, 40000) for _ in range(20)] for _ in range(4)]
+        long = [[rng.randrange(100, 40000) for _ in range(900)] for _ in range(3)]
+        start = len(log)
+        outs = asyncio.run(round_(tag, short, long))
     for p, (toks, _) in zip(short + long, outs):
         assert toks == reference_greedy(model, p, 60 if len(p) == 20 else 4)
-    mixed = [(t, s, pred) for t, s, pred in log[12:] if s.decode_rows and s.prefill_tokens]
-    assert mixed and max(s.prefill_tokens for _, s, _ in mixed) < 2048 - len(short)  # cut, not the token budget
+    mixed = [(t, s, pred) for t, s, pred in log[start:] if s.decode_rows and s.prefill_tokens]
+    chunks = sorted(s.prefill_tokens for _, s, _ in mixed)
+    assert len(chunks) >= 4 and chunks[len(chunks) // 2] < 1024, chunks  # cut, not the token budget
     st = eng.stats()
     assert st["token_gap_target_s"] > 0 and st["prefill_tokens_per_step_p50"] > 0 and st["step_s_p99"] >= st["step_s_p50"]
     errors = sorted(abs(pred - t) / t for t, _, pred in mixed if pred)
-    print(f"{len(mixed)} mixed steps, prediction error p50 {errors[len(errors) // 2]:.2f}; {st['step_cost']}")
+    print(f"{len(mixed)} mixed steps, chunks {chunks}, prediction error p50 {errors[len(errors) // 2]:.2f}; "
+          f"{st['step_cost']}")
     assert errors[len(errors) // 2] < 0.5
     eng.shutdown()
 
