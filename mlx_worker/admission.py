@@ -167,7 +167,7 @@ class Admission:
                 self._admitted[seq.rid] = (time.perf_counter(), max(model, least), max(predicted, least))
             return None
         if predicted is None:  # not measured yet: nothing ahead of it, or not taken
-            message = "the server is busy and has not measured its speed yet; retry later"
+            message = "the server is overloaded: it has work ahead and has not measured its speed yet; retry later"
             retry = 2.0
         else:
             message, retry = self._refusal_message(predicted, timeout), predicted - allowed

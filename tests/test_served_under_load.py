@@ -80,7 +80,6 @@ def test_overloaded_it_loses_nothing_and_refuses_cleanly(deployed):
     assert canary_ok(res), res.canaries
     assert res.refusals > 0  # more than it can serve: some were told at once
     assert len(lat) >= 8 and lat[-1] < CLIENT_TIMEOUT_S
-    assert res.bad_inputs > 0 and res.disconnects > 0
     assert stats["kv_pool_bytes"] > 1 << 30  # the deployed default pool, not a reduced one
     assert stats["running"] == 0 and stats["kv_pages_used"] == 0
     budget = sum(stats[k] for k in ("weights_bytes", "kv_pool_bytes", "decode_staging_budget_bytes",
