@@ -451,6 +451,7 @@ class Engine:
         leader took in on the same iteration, which the leader sends it here."""
         if self.ranks and not self.ranks.leader:
             return self._replay_commands()
+        self.budget.cost.refit()  # here only: the followers get the same fit before the same schedule
         outputs, applied, taken = [], [], 0
         while True:
             try:

@@ -59,12 +59,18 @@ class StepCost:
         self.coef: Optional[np.ndarray] = None  # seconds per forward, row, token, PAIRS_UNIT pairs
 
     def observe(self, shape: StepShape, seconds: float) -> None:
+        """A measured step; the fit takes it in at the next `refit`."""
         x = shape.features()
         if not x.any():
             return
         self._xtx = self.forget * self._xtx + np.outer(x, x)
         self._xty = self.forget * self._xty + seconds * x
         self.num_observed += 1
+
+    def refit(self) -> None:
+        """Update the coefficients from the steps observed so far. The engine calls it at
+        one point of its loop, before scheduling: a sharded engine's leader sends the
+        coefficients to the other ranks there, so all size the step alike."""
         if self.num_observed >= MIN_STEPS:
             self.coef = _nonnegative_solve(self._xtx, self._xty)
 

@@ -28,6 +28,7 @@ def fitted(n=80, seed=0):
         chunks = [(rng.randrange(0, 1500), rng.randrange(1, 512)) for _ in range(rng.randrange(0 if rows else 1, 3))]
         shape = shape_of([rng.randrange(10, 1500) for _ in range(rows)], chunks)
         cost.observe(shape, true_time(shape) * rng.uniform(0.97, 1.03))
+    cost.refit()
     return cost
 
 
@@ -44,6 +45,7 @@ def test_the_fit_recovers_the_costs_and_never_goes_negative():
     flat = StepCost()
     for _ in range(10):
         flat.observe(shape_of([50], []), 0.1)
+    flat.refit()
     assert (flat.coef >= 0).all() and flat.predict(shape_of([50], [])) == pytest.approx(0.1, rel=0.01)
 
 
