@@ -3,6 +3,7 @@ port moved to loopback), driven past what the box can serve.
 
     python benchmarks/overload.py                     # every phase, ~25 minutes here
     python benchmarks/overload.py --phases closed --loops 16 64 --seconds 120 300
+    python benchmarks/overload.py --phases gap --engine min_prefill_tokens=32   # one key changed
 
 Phases (clients: benchmarks/load_clients.py; each try gives up after --timeout s):
   closed   N closed client loops for T s each (16 for 2 minutes, then 64 for 5).
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
+import yaml
 from openai import AsyncOpenAI
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,10 +119,14 @@ def main():
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="x the measured capacity")
     ap.add_argument("--capacity", type=float, help="requests/s (default: the first closed phase's goodput)")
     ap.add_argument("--timeout", type=float, default=120, help="each try gives up after this many seconds")
+    ap.add_argument("--engine", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="engine config keys to change from deploy/app.yaml's (values as YAML)")
     a = ap.parse_args()
-    with deployed_app() as base:
+    overrides = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a.engine)}
+    with deployed_app(overrides) as base:
         httpx.get(f"{base}/v1/stats", timeout=60)
-        print(f"\n## deploy/app.yaml under overload; client timeout {a.timeout:.0f} s\n{HEADER}")
+        changed = "".join(f", {k}={v}" for k, v in overrides.items())
+        print(f"\n## deploy/app.yaml under overload{changed}; client timeout {a.timeout:.0f} s\n{HEADER}")
         capacity, results = a.capacity, {}
         if "closed" in a.phases:
             for loops, seconds in zip(a.loops, a.seconds):

@@ -40,10 +40,11 @@ def engine_busy_s(st):
 
 
 @contextlib.contextmanager
-def deployed_app():
+def deployed_app(engine_overrides=None):
     """`serve run deploy/app.yaml` as shipped, only its HTTP port moved to a free one on
-    loopback; yields the base URL."""
+    loopback (and any `engine_overrides` set in its engine config); yields the base URL."""
     cfg = yaml.safe_load((ROOT / "deploy" / "app.yaml").read_text())
+    cfg["applications"][0]["args"]["engine"].update(engine_overrides or {})
     port = free_port()
     cfg["http_options"] = {**cfg["http_options"], "host": "127.0.0.1", "port": port}
     with tempfile.TemporaryDirectory() as tmp:

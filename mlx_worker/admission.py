@@ -17,8 +17,9 @@ client's, or `request_timeout_s`) is refused at once with `overloaded` and a
 `retry_after_s`: the excess, about when the work ahead will have drained enough.
 
 A request with nothing queued or running ahead of it is always taken: no wait would
-make it faster. Until steps are measured, no other is (the first request's steps are
-measured within seconds), and until MIN_CALIBRATION completions have been seen, the
+make it faster. Until steps are measured, others are taken only while the prompts
+queued, with theirs, fit one step's token budget (a burst of short requests on a fresh
+server; the first steps are measured within seconds), and until MIN_CALIBRATION completions have been seen, the
 model's predictions are doubled. Admitted requests are not starved by later ones: prompts
 are prefilled in arrival order, and every step advances every decoding row.
 """
@@ -161,6 +162,10 @@ class Admission:
         model = self.predict(seq, scheduler)
         predicted = None if model is None else model * self.calibration
         allowed = SAFETY * timeout
+        if predicted is None:  # not measured yet: take what the first steps hold, as a burst of short prompts
+            ahead = scheduler.queued_prefill_tokens() + scheduler.uncached_tokens(seq)
+            if ahead <= scheduler.budget.max_batched_tokens and len(scheduler.running) + len(scheduler.waiting) < scheduler.max_running:
+                return None
         if not (scheduler.waiting or scheduler.running) or (predicted is not None and predicted <= allowed):
             if predicted is not None:  # to measure the prediction against the completion
                 least = MIN_PREDICTED_STEPS * self._gap_s + 1e-6

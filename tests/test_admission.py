@@ -64,9 +64,13 @@ def test_what_cannot_finish_in_its_timeout_is_refused_with_when_to_retry():
     admission = Admission(request_timeout_s=10)
     assert admission.refuse(seq("alone", 3000, 2), sched) is None  # nothing ahead: always taken
     assert sched.add(seq("first", 3000, 2)) is None
-    # Not measured yet: only with nothing ahead.
+    # Not measured yet: taken with nothing ahead...
     out = admission.refuse(seq("early", 10, 1), sched)
     assert out.error_code == "overloaded" and out.retry_after_s > 0 and "measured" in out.error
+    fresh = Scheduler(PageManager(512, 16), set(), max_running=8, max_batched_tokens=512)
+    for i in range(4):  # ...or while the prompts ahead fit one step's budget: a burst of short ones
+        assert admission.refuse(seq(f"short{i}", 100, 20 + i), fresh) is None and fresh.add(seq(f"short{i}", 100, 20 + i)) is None
+    assert admission.refuse(seq("fifth", 200, 30), fresh).error_code == "overloaded"  # 600 > 512
     measured(admission)
     out = admission.refuse(seq("late", 10, 8), sched)  # 30 s of prefill ahead: past 8 s
     assert out.finished and out.finish_reason == "error" and out.error_code == "overloaded"
@@ -75,7 +79,7 @@ def test_what_cannot_finish_in_its_timeout_is_refused_with_when_to_retry():
     assert "overloaded" in out.error and f"{predicted:.0f} s" in out.error
     # The client's own timeout counts over the server's default.
     assert admission.refuse(seq("patient", 10, 8, timeout_s=100), sched) is None
-    assert admission.num_refused == 2
+    assert admission.num_refused == 3
     assert Admission(request_timeout_s=None).refuse(seq("any", 10, 9), sched) is None
 
 
