@@ -41,7 +41,7 @@ from mlx_lm.generate import BatchGenerator  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
-from mlx_worker.loader import load_model  # noqa: E402
+from mlx_worker.models.loader import load_model  # noqa: E402
 from traffic import Arrival, Trace, full_batch_itl, prompts, schedule, summarize  # noqa: E402  (benchmarks/traffic.py)
 from random_models import CONFIGS as RANDOM_CONFIGS, random_model  # noqa: E402
 

@@ -19,8 +19,8 @@ import mlx_worker  # noqa: E402,F401  (OpenBLAS before mlx on Linux)
 import numpy as np  # noqa: E402
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
-from mlx_worker import grammar  # noqa: E402
-from mlx_worker.grammar import GrammarSpec  # noqa: E402
+from mlx_worker.sampling import grammar  # noqa: E402
+from mlx_worker.sampling.grammar import GrammarSpec  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
           "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},

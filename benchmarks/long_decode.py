@@ -37,7 +37,7 @@ from mlx_lm.generate import BatchGenerator  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from mlx_worker import Request  # noqa: E402
-from mlx_worker.loader import load_model  # noqa: E402
+from mlx_worker.models.loader import load_model  # noqa: E402
 from traffic import Trace, full_batch_itl, prompts  # noqa: E402
 
 TAIL = 64  # tokens of each row's own after the shared prefix

@@ -59,8 +59,8 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica  # noqa: E402
 
-from mlx_worker.gguf import default_model_path  # noqa: E402
-from mlx_worker.paging import PAGE_SIZE, page_hashes  # noqa: E402
+from mlx_worker.models.gguf import default_model_path  # noqa: E402
+from mlx_worker.memory.paging import PAGE_SIZE, page_hashes  # noqa: E402
 from serve_app.app import build_app, compose_app  # noqa: E402
 from serve_fixtures import free_port, stop_farm, wait_healthy  # noqa: E402  (tests/)
 

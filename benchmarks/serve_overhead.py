@@ -32,7 +32,7 @@ from serve_fixtures import run_app, start_serve, stop_serve  # noqa: E402
 from tiny_models import save_tiny_model  # noqa: E402
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
-from mlx_worker.gguf import default_model_path  # noqa: E402
+from mlx_worker.models.gguf import default_model_path  # noqa: E402
 
 
 floor_api = FastAPI()

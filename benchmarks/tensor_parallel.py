@@ -26,7 +26,7 @@ import mlx_worker  # noqa: E402,F401  (OpenBLAS before mlx on Linux)
 import mlx.core as mx  # noqa: E402
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
-from mlx_worker.ranks import free_port, start_ranks  # noqa: E402
+from mlx_worker.distributed.ranks import free_port, start_ranks  # noqa: E402
 from random_models import CONFIGS, random_model  # noqa: E402
 from traffic import prompts  # noqa: E402
 

@@ -9,52 +9,29 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import AsyncIterator, Dict, List, Literal, Optional, Tuple
+from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from pydantic import BaseModel, Field
 
-from .activations import activation_budget
-from .admission import Admission
-from .batch_probe import probe_batching
-from .kv_pool import KVPool, kv_bytes_per_token, kv_budget, pool_pages
-from .loader import load_model, load_sharded
-from .model_caches import probe_caches
-from .page_manager import PageManager
-from .ranks import BACKENDS, RankLost, Ranks
-from .paging import PAGE_SIZE
-from .detokenizer import IncrementalDetokenizer
-from .grammar import GrammarCompiler
+from .config import EngineConfig
+from .distributed.ranks import RankLost, Ranks
+from .memory.activations import activation_budget
+from .memory.kv_pool import KVPool, kv_budget, kv_bytes_per_token, pool_pages
+from .memory.page_manager import PageManager
+from .memory.state_snapshots import StateSnapshots
+from .models.batch_probe import probe_batching
+from .models.loader import load_model, load_sharded
+from .models.model_caches import probe_caches
 from .request import Request, RequestOutput, Sequence
-from .scheduler import Scheduler, StepPlan
-from .state_snapshots import StateSnapshots
-from .step_budget import StepBudget
-from .step_cost import shape_of
+from .sampling.detokenizer import IncrementalDetokenizer
+from .sampling.grammar import GrammarCompiler
+from .scheduling.admission import Admission
+from .scheduling.scheduler import Scheduler, StepPlan
+from .scheduling.step_budget import StepBudget
+from .scheduling.step_cost import shape_of
 from .worker import Worker
-
-
-class EngineConfig(BaseModel):
-    model: Optional[str] = None  # HF id, mlx-lm dir, .gguf file; None = embedded default
-    dtype: str = "auto"  # auto | quantized | float32 | float16 | bfloat16
-    page_size: int = Field(PAGE_SIZE, ge=1)
-    max_total_tokens: Optional[int] = Field(None, ge=1)  # KV pool size; overrides the fraction
-    kv_memory_fraction: float = Field(0.25, gt=0, le=0.95)
-    max_running_requests: int = Field(64, ge=1)
-    max_batched_tokens: int = Field(2048, ge=1)  # tokens per step: decode rows + prefill chunks
-    step_budget: Literal["time", "tokens"] = "time"  # tokens: every step takes max_batched_tokens, whatever it costs
-    max_token_gap_s: Optional[float] = Field(None, gt=0)  # a step with decode rows stays within it; None: 3x the decode-only step of its rows (step_budget.py)
-    min_prefill_tokens: int = Field(256, ge=1)  # prefill per step however short the gap: prompts move, steps stay efficient
-    decode_staging_fraction: float = Field(0.5, ge=0)  # dense decode-batch KV, x the KV memory budget (decode_kv.py)
-    state_snapshot_fraction: float = Field(0.1, ge=0)  # recurrent-state snapshots (prefix cache of hybrid models), x the same
-    batching: Literal["auto", "ragged", "ragged_head_groups", "uniform_offsets"] = "auto"  # auto: probed at load (batch_probe.py)
-    overlap: bool = True  # False: finish each step before scheduling the next (debugging)
-    tensor_parallel_size: int = Field(1, ge=1)  # ranks (Macs) one engine spans, each with a slice of every layer
-    pipeline_parallel_size: int = Field(1, ge=1)  # or: ranks each with a run of whole layers (ranks.py)
-    distributed_backend: Literal[BACKENDS] = "ring"  # ring: TCP over Ethernet or Thunderbolt IP; jaccl: RDMA
-    rdma_devices: Optional[List[List[Optional[str]]]] = None  # jaccl: rank i's RDMA device to rank j (ranks.py)
-    request_timeout_s: Optional[float] = Field(None, gt=0)  # refuse (overloaded) what cannot finish in the client's timeout, or this (admission.py)
 
 
 class Engine:

@@ -10,8 +10,8 @@ import mlx.core as mx
 import numpy as np
 from pydantic import BaseModel, Field
 
-from .paging import page_hashes
-from .sampling import SamplingParams
+from .memory.paging import page_hashes
+from .sampling.sampler import SamplingParams
 
 
 class Request(BaseModel):

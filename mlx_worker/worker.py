@@ -8,16 +8,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .batch_probe import RAGGED, RAGGED_HEAD_GROUPS, UNIFORM
-from .decode_kv import DecodeStaging
-from .kv_pool import KVPool
-from .model_caches import CacheTree
-from .output_head import split_output_head
-from .paged_cache import BatchLayout, forward_caches
-from .recurrent_state import RecurrentStates, RowState
+from .memory.decode_kv import DecodeStaging
+from .memory.kv_pool import KVPool
+from .memory.paged_cache import BatchLayout, forward_caches
+from .memory.recurrent_state import RecurrentStates, RowState
+from .models.batch_probe import RAGGED, RAGGED_HEAD_GROUPS, UNIFORM
+from .models.model_caches import CacheTree
+from .models.output_head import split_output_head
 from .request import Sequence
-from .sampling import SampleResult, SamplerRow, sample, token_logprobs
-from .scheduler import StepPlan
+from .sampling.sampler import SampleResult, SamplerRow, sample, token_logprobs
+from .scheduling.scheduler import StepPlan
 
 
 @dataclass

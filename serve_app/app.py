@@ -1,48 +1,17 @@
 """The application builder: `serve run serve_app.app:build_app` or deploy/app.yaml."""
 
 import os
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
-from mlx_worker.paging import PAGE_SIZE
+from mlx_worker.memory.paging import PAGE_SIZE
 
+from .config import AppArgs
 from .ingress import Ingress
-from .rank_group import group_bundles
-from .replica import MLXReplica
-
-
-class ReplicaGroupArgs(BaseModel):
-    """One kind of replica in an app whose replicas differ: e.g. ordinary Macs one each,
-    and a pair of other Macs that serve the same model tensor parallel. Unset fields
-    take the app's."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(pattern=r"^[A-Za-z0-9_]+$")  # the deployment is MLXReplica_<name>
-    num_replicas: Union[int, Literal["auto"], None] = None
-    replica_resource: Optional[str] = "auto"
-    engine: Dict[str, Any] = Field(default_factory=dict)  # over the app's engine fields
-    weight: Optional[float] = Field(None, gt=0)  # share of new prompts; default: its replica count
-
-
-class AppArgs(BaseModel):
-    """Typed arguments of the macfarm app (the `args:` of a Serve config)."""
-
-    model: Optional[str] = None  # HF id, mlx-lm dir or .gguf; None: embedded SmolLM2-135M
-    model_name: Optional[str] = None  # the name clients use; default: derived from `model`
-    num_replicas: Union[int, Literal["auto"]] = "auto"  # auto: one per Mac, else 1
-    replica_resource: Optional[str] = "auto"  # custom resource per Mac; auto: "mac" if the cluster has it
-    engine: Dict[str, Any] = Field(default_factory=dict)  # mlx_worker.EngineConfig fields
-    router: Literal["prefix", "pow2"] = "prefix"
-    router_kwargs: Dict[str, Any] = Field(default_factory=dict)
-    max_ongoing_requests: int = Field(128, ge=1)  # per replica; the engine queues beyond its batch
-    max_queued_requests: int = Field(512, ge=-1)  # waiting at the ingress; beyond: 429
-    default_max_tokens: int = Field(512, ge=1)
-    api_key: Optional[str] = None  # bearer token; also $MACFARM_API_KEY
-    retry_after_s: int = 1
-    replica_groups: List[ReplicaGroupArgs] = Field(default_factory=list)  # replicas of different sizes
+from .replicas.rank_group import group_bundles
+from .replicas.replica import MLXReplica
 
 
 def _groups(args: AppArgs) -> List[Tuple[str, AppArgs, Optional[float]]]:
@@ -88,7 +57,7 @@ def _replica_options(args: AppArgs) -> Dict[str, Any]:
         opts["placement_group_strategy"] = "STRICT_SPREAD" if resource else "PACK"
     if args.router == "prefix":
         opts["request_router_config"] = {
-            "request_router_class": "serve_app.router:PrefixAffinityRouter",
+            "request_router_class": "serve_app.routing.router:PrefixAffinityRouter",
             "request_router_kwargs": {"page_size": args.engine.get("page_size", PAGE_SIZE), **args.router_kwargs},
             "request_routing_stats_period_s": 1,
         }

@@ -17,17 +17,18 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlx_worker.paging import PAGE_SIZE, page_hashes
+from mlx_worker.memory.paging import PAGE_SIZE, page_hashes
 
-from . import anthropic_api as A
-from . import client_timeout
-from . import embeddings_api as E
-from . import protocol as P
-from . import responses_api as R
-from . import tools as T
-from .harmony import HarmonyParser, is_harmony
-from .output_parser import OutputParser, Parsed, starts_in_reasoning, think_format
-from .replica_groups import GroupPicker
+from .api import anthropic_messages as A
+from .api import client_timeout
+from .api import embeddings as E
+from .api import protocol as P
+from .api import responses as R
+from .api import tools as T
+from .api.harmony import HarmonyParser, is_harmony
+from .api.output_parser import OutputParser, Parsed, starts_in_reasoning, think_format
+from .config import AppArgs
+from .routing.replica_groups import GroupPicker
 
 api = FastAPI(title="macfarm", description="OpenAI-compatible LLM serving on a Mac farm")
 
@@ -72,9 +73,7 @@ class Ingress:
                  weights: Optional[Dict[str, float]] = None):
         from mlx_lm.utils import load_tokenizer
 
-        from mlx_worker.gguf import resolve_model
-
-        from .app import AppArgs
+        from mlx_worker.models.gguf import resolve_model
 
         self.args = AppArgs.model_validate(args)
         path = resolve_model(self.args.model)

@@ -47,7 +47,7 @@ def default_tokenizer():
     if not _TOKENIZER:
         from mlx_lm.utils import load_tokenizer
 
-        from mlx_worker.gguf import default_model_path
+        from mlx_worker.models.gguf import default_model_path
 
         _TOKENIZER.append(load_tokenizer(default_model_path()))
     return _TOKENIZER[0]

@@ -14,7 +14,7 @@ import ray
 from ray import serve
 from tiny_models import save_tiny_model
 
-from mlx_worker.gguf import default_model_path
+from mlx_worker.models.gguf import default_model_path
 from serve_app.app import build_app
 
 ENGINE = {"max_total_tokens": 4096, "max_batched_tokens": 256}

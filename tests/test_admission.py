@@ -11,10 +11,10 @@ from conftest import collect, reference_greedy
 from tiny_models import make_tiny_model
 
 from mlx_worker import Engine, EngineConfig, Request, RequestOutput, SamplingParams
-from mlx_worker.admission import MIN_OUTPUTS, PRIOR_CALIBRATION, SAFETY, Admission
-from mlx_worker.page_manager import PageManager
+from mlx_worker.scheduling.admission import MIN_OUTPUTS, PRIOR_CALIBRATION, SAFETY, Admission, Promise
+from mlx_worker.memory.page_manager import PageManager
 from mlx_worker.request import Sequence
-from mlx_worker.scheduler import Scheduler
+from mlx_worker.scheduling.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_predictions_are_scaled_by_what_recent_completions_took_of_them():
     sched.add(seq("ahead", 100, 1))
     model = admission.predict(seq("x", 100, 2, timeout_s=100), sched)
     for i in range(8):  # completions that took three times what the model said
-        admission._admitted[f"done{i}"] = (time.perf_counter() - 3.0, 1.0, 1.0)
+        admission._admitted[f"done{i}"] = Promise(time.perf_counter() - 3.0, 1.0, 1.0, 1000)
         admission.finished(RequestOutput(rid=f"done{i}", token_ids=[], finished=True, finish_reason="length",
                                          num_output_tokens=4))
     assert admission.calibration == pytest.approx(3.0, rel=0.01)
@@ -109,6 +109,25 @@ def test_a_full_batch_adds_the_wait_for_a_slot():
     new = seq("new", 16, 9, max_tokens=1)
     # The shorter running request frees its slot after its 8 tokens (one is scheduled).
     assert admission.predict(new, sched) == pytest.approx((8 - 1) * admission.gap_s + admission.gap_s)
+
+
+def test_a_request_that_would_make_an_admitted_one_late_is_refused():
+    """A promise holds against later arrivals: a request whose prefill would push one
+    already admitted past its deadline is refused, though it would itself fit its own
+    (patient) timeout; a short one that leaves the promise standing is taken, and once
+    the admitted one ends, the long one is taken too."""
+    sched = Scheduler(PageManager(1024, 16), set(), max_running=8, max_batched_tokens=512)
+    admission = measured(Admission())
+    a = seq("a", 100, 1, timeout_s=10)  # alone: taken; predicted ~7 s of its 8 (0.8 x 10)
+    assert admission.refuse(a, sched) is None and sched.add(a) is None
+    long = seq("long", 300, 2, timeout_s=1000)  # 3 s of prefill ahead of a's tokens: a would miss
+    out = admission.refuse(long, sched)
+    assert out.error_code == "overloaded" and "already took" in out.error and out.retry_after_s >= 1
+    short = seq("short", 10, 3, timeout_s=100)
+    assert admission.refuse(short, sched) is None and sched.add(short) is None
+    admission.finished(RequestOutput(rid="a", token_ids=[], finished=True, finish_reason="stop", num_output_tokens=4))
+    assert admission.refuse(seq("long", 300, 2, timeout_s=1000), sched) is None
+    assert admission.num_refused == 1
 
 
 def test_an_engine_refuses_what_it_cannot_finish_and_serves_what_it_took(model):
@@ -139,6 +158,14 @@ def test_an_engine_refuses_what_it_cannot_finish_and_serves_what_it_took(model):
     st = eng.stats()
     assert st["refused_overloaded"] == 1 and st["queue_wait_s"] == 0 and st["kv_pages_used"] == 0
     assert st["tokens_wasted"] == 0 and st["tokens_computed"] >= 3 * 600
+
+    async def samples():  # n=2: each sample is a request of its own, with the client's timeout
+        params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0, n=2)
+        return [out async for out in eng.generate(Request(rid="two", prompt_ids=prompt(200, 11), params=params,
+                                                          timeout_s=600))]
+
+    outs = asyncio.run(samples())
+    assert all(o.finish_reason != "error" for o in outs) and sum(len(o.token_ids) for o in outs) == 6
     eng.shutdown()
 
 

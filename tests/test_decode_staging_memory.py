@@ -8,9 +8,9 @@ the deployed app peaked 4.8 GB over its memory bound."""
 import mlx.core as mx
 import numpy as np
 
-from mlx_worker.decode_kv import DecodeStaging
-from mlx_worker.kv_pool import KVPool
-from mlx_worker.model_caches import LayerSpec
+from mlx_worker.memory.decode_kv import DecodeStaging
+from mlx_worker.memory.kv_pool import KVPool
+from mlx_worker.models.model_caches import LayerSpec
 from mlx_worker.request import SamplingParams, Sequence
 
 LAYERS, HEADS, DIM, PAGE = 8, 4, 32, 16

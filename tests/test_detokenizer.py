@@ -3,7 +3,7 @@
 import pytest
 from conftest import default_tokenizer
 
-from mlx_worker.detokenizer import IncrementalDetokenizer
+from mlx_worker.sampling.detokenizer import IncrementalDetokenizer
 
 TEXT = "Héllo wörld! 日本語のテキスト 🚀🎉 naïve café, then: stop here please."
 
@@ -52,7 +52,7 @@ def test_leading_space_of_a_continuation_is_kept(tok):
 
 
 def test_the_rust_decoder_gives_what_the_tokenizer_gives(tok):
-    from mlx_worker.detokenizer import _decoder
+    from mlx_worker.sampling.detokenizer import _decoder
 
     fast = _decoder(tok)
     assert fast.__name__ == "rust_decode"  # the default tokenizer takes the fast path

@@ -4,7 +4,7 @@ import pytest
 from conftest import reference_greedy, run_requests
 
 from mlx_worker import Engine, EngineConfig
-from mlx_worker.loader import load_model
+from mlx_worker.models.loader import load_model
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 

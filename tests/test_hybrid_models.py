@@ -13,7 +13,7 @@ from conftest import collect, default_tokenizer, reference_greedy, run_requests
 from tiny_models import make_tiny_model
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
-from mlx_worker.grammar import GrammarSpec
+from mlx_worker.sampling.grammar import GrammarSpec
 
 RECURRENT = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "lfm2", "granitemoehybrid", "falcon_h1",
              "mamba2", "kimi_linear", "jamba", "rwkv7"]

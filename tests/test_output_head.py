@@ -5,7 +5,7 @@ import mlx.nn as nn
 import pytest
 from tiny_models import CONFIGS, make_tiny_model
 
-from mlx_worker.output_head import split_output_head
+from mlx_worker.models.output_head import split_output_head
 
 
 @pytest.mark.parametrize("arch", sorted(a for a in CONFIGS if a != "gpt_bigcode"))

@@ -1,7 +1,7 @@
 """Page ownership and page hashes, without a model."""
 
-from mlx_worker.page_manager import PageManager
-from mlx_worker.paging import page_hashes
+from mlx_worker.memory.page_manager import PageManager
+from mlx_worker.memory.paging import page_hashes
 
 
 def test_page_hashes_chain_whole_pages_only():

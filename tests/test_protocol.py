@@ -1,4 +1,4 @@
-"""serve_app.protocol: request validation, request -> SamplingParams, and responses the
+"""serve_app.api.protocol: request validation, request -> SamplingParams, and responses the
 official `openai` client parses (model_validate and a real client over a mock transport)."""
 
 import json
@@ -10,9 +10,9 @@ from openai.types import Completion as OAICompletion, Model as OAIModel
 from openai.types.chat import ChatCompletion as OAIChatCompletion, ChatCompletionChunk as OAIChatCompletionChunk
 from pydantic import ValidationError
 
-from mlx_worker.grammar import GrammarSpec
+from mlx_worker.sampling.grammar import GrammarSpec
 from mlx_worker.request import RequestOutput
-from serve_app.protocol import (
+from serve_app.api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     CompletionRequest,

@@ -11,10 +11,10 @@ from mlx_lm.utils import load_tokenizer
 from serve_fixtures import ENGINE, run_app, serving
 from tiny_models import VOCAB, save_tiny_model
 
-from mlx_worker.gguf import default_model_path
-from serve_app.harmony import HarmonyParser, is_harmony
-from serve_app.output_parser import OutputParser, ThinkFormat
-from serve_app.tools import FunctionDef, Tool, call_format
+from mlx_worker.models.gguf import default_model_path
+from serve_app.api.harmony import HarmonyParser, is_harmony
+from serve_app.api.output_parser import OutputParser, ThinkFormat
+from serve_app.api.tools import FunctionDef, Tool, call_format
 
 THINK = ThinkFormat("<think>", "</think>")
 

@@ -1,11 +1,12 @@
 """Picking the replica group of a request when one app has replicas of different sizes
-(serve_app/replica_groups.py), and the app's `replica_groups` arguments. The groups
+(serve_app/routing/replica_groups.py), and the app's `replica_groups` arguments. The groups
 serving together over HTTP are in test_cluster.py."""
 
 import pytest
 
-from serve_app.app import AppArgs, _groups
-from serve_app.replica_groups import GroupPicker
+from serve_app.app import _groups
+from serve_app.config import AppArgs
+from serve_app.routing.replica_groups import GroupPicker
 
 
 def send(picker, hashes):

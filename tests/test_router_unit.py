@@ -6,13 +6,8 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from serve_app.router import (
-    PrefixAffinityConfig,
-    PrefixAffinityPolicy,
-    PrefixAffinityRouter,
-    extract_page_hashes,
-    prefix_match_len,
-)
+from serve_app.routing.prefix_policy import PrefixAffinityConfig, PrefixAffinityPolicy, prefix_match_len
+from serve_app.routing.router import PrefixAffinityRouter, extract_page_hashes
 
 SYS = list(range(1000, 1060))  # a 60-page system prompt's chained hashes
 

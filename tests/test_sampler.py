@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from mlx_worker.sampling import SamplerRow, SamplingParams, sample
+from mlx_worker.sampling.sampler import SamplerRow, SamplingParams, sample
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
 LOGITS = np.log(PROBS)
@@ -131,7 +131,7 @@ def test_unknown_token_ids_are_rejected():
 
 
 def test_gumbel_noise_is_finite_for_every_hash_value():
-    from mlx_worker.sampling import gumbel_noise
+    from mlx_worker.sampling.sampler import gumbel_noise
 
     g = gumbel_noise(mx.arange(64, dtype=mx.uint32), mx.arange(64, dtype=mx.uint32), 50000)
     assert bool(mx.all(mx.isfinite(g)).item())

@@ -11,8 +11,8 @@ from conftest import collect, reference_greedy
 from tiny_models import make_tiny_model
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
-from mlx_worker.step_budget import TOKEN_GAP_FACTOR, StepBudget
-from mlx_worker.step_cost import PAIRS_UNIT, StepCost, StepShape, shape_of
+from mlx_worker.scheduling.step_budget import TOKEN_GAP_FACTOR, StepBudget
+from mlx_worker.scheduling.step_cost import PAIRS_UNIT, StepCost, StepShape, shape_of
 
 TRUE = (0.07, 0.009, 0.004, 0.01)  # seconds per forward, decode row, prefill token, PAIRS_UNIT pairs
 

@@ -19,9 +19,9 @@ from mlx.utils import tree_flatten
 from tiny_models import make_tiny_model, save_tiny_model
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
-from mlx_worker.grammar import GrammarSpec
-from mlx_worker.loader import load_sharded
-from mlx_worker.ranks import free_port
+from mlx_worker.sampling.grammar import GrammarSpec
+from mlx_worker.models.loader import load_sharded
+from mlx_worker.distributed.ranks import free_port
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 SAMPLED = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=5, n=2)
@@ -72,7 +72,7 @@ def _scenarios(engine_for, rank):
 
 def _rank_main(rank, hosts, leader, task, arch, split, queue):
     import mlx_worker  # noqa: F401  (OpenBLAS before mlx)
-    from mlx_worker.ranks import start_ranks
+    from mlx_worker.distributed.ranks import start_ranks
 
     try:
         ranks = start_ranks(rank, hosts, leader)
@@ -174,7 +174,7 @@ def test_two_ranks_equal_the_single_rank_engine(arch, split):
 
 
 def test_each_rank_holds_only_its_shard(tmp_path):
-    from mlx_worker.gguf import default_model_path
+    from mlx_worker.models.gguf import default_model_path
 
     wide = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, vocab_size=1024)  # layers dominate
     path = save_tiny_model("llama", tmp_path / "m", tokenizer_dir=default_model_path(), **wide)
@@ -203,7 +203,7 @@ def test_a_step_that_fails_on_one_rank_fails_the_group(rank):
 
 
 def test_a_rank_that_never_comes_fails_the_start_instead_of_hanging():
-    from mlx_worker.ranks import start_ranks
+    from mlx_worker.distributed.ranks import start_ranks
 
     t = time.perf_counter()
     with pytest.raises(RuntimeError, match="1 of 1 follower ranks did not reach the leader"):
@@ -213,7 +213,7 @@ def test_a_rank_that_never_comes_fails_the_start_instead_of_hanging():
 
 
 def test_a_model_without_tensor_parallel_support_is_refused(tmp_path):
-    from mlx_worker.gguf import default_model_path
+    from mlx_worker.models.gguf import default_model_path
 
     path = save_tiny_model("gpt_bigcode", tmp_path / "m", tokenizer_dir=default_model_path())
     with pytest.raises(ValueError, match="gpt_bigcode has no tensor-parallel support"):
@@ -221,7 +221,7 @@ def test_a_model_without_tensor_parallel_support_is_refused(tmp_path):
 
 
 def test_a_backend_that_cannot_start_says_so():
-    from mlx_worker.ranks import init_group
+    from mlx_worker.distributed.ranks import init_group
 
     with pytest.raises(ValueError, match="backend must be one of"):
         init_group(0, ["127.0.0.1:1"], "nccl")

@@ -17,8 +17,8 @@ from mlx_lm.utils import load_tokenizer
 from pydantic import BaseModel, Field
 from serve_fixtures import ENGINE, run_app, serving, tiny_model_dir
 
-from serve_app.output_parser import OutputParser
-from serve_app.tools import FunctionDef, Tool, call_format
+from serve_app.api.output_parser import OutputParser
+from serve_app.api.tools import FunctionDef, Tool, call_format
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city.",

@@ -4,7 +4,7 @@ Our own `X-Request-Timeout: <seconds>` first (the whole request, documented in t
 README), then what the openai and anthropic SDKs send on every request: their read
 timeout (`x-stainless-read-timeout`, `x-stainless-timeout`), which for a request that
 is not streamed is the whole answer's time. The replica's admission refuses at once what
-it predicts it cannot finish within it (mlx_worker/admission.py).
+it predicts it cannot finish within it (mlx_worker/scheduling/admission.py).
 
 The deadline is kept per HTTP request in a context variable, set when the ingress reads
 the body, so every replica call the request makes sends the time it has left.

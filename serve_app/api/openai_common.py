@@ -10,11 +10,12 @@ from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mlx_worker.grammar import GrammarSpec
 from mlx_worker.request import RequestOutput
-from mlx_worker.sampling import MAX_N, SamplingParams
+from mlx_worker.sampling.grammar import GrammarSpec
+from mlx_worker.sampling.sampler import MAX_N, SamplingParams
 
 from .errors import ProtocolError
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")

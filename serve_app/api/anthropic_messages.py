@@ -9,15 +9,26 @@ Anthropic's stream events, built with the `anthropic` package's own types.
 import json
 from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Union
 
-from anthropic.types import (Message, MessageDeltaUsage, RawContentBlockDeltaEvent, RawContentBlockStartEvent,
-                             RawContentBlockStopEvent, RawMessageDeltaEvent, RawMessageStartEvent,
-                             RawMessageStopEvent, TextBlock, ThinkingBlock, ToolUseBlock, Usage)
+from anthropic.types import (
+    Message,
+    MessageDeltaUsage,
+    RawContentBlockDeltaEvent,
+    RawContentBlockStartEvent,
+    RawContentBlockStopEvent,
+    RawMessageDeltaEvent,
+    RawMessageStartEvent,
+    RawMessageStopEvent,
+    TextBlock,
+    ThinkingBlock,
+    ToolUseBlock,
+    Usage,
+)
 from anthropic.types.raw_message_delta_event import Delta as MessageDelta
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlx_worker.request import RequestOutput
 
-from .chat_api import ChatCompletionRequest
+from .chat import ChatCompletionRequest
 from .openai_common import merge_outputs
 from .output_parser import CallPiece, Parsed
 from .tools import ToolCall

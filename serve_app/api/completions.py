@@ -7,8 +7,21 @@ from pydantic import BaseModel, Field, field_validator
 
 from mlx_worker.request import RequestOutput
 
-from .openai_common import (Decode, FinishReason, Usage, _Request, _logprobs, _lp, _now, _tok, finish_reason,
-                            merge_outputs, random_id, usage)
+from .openai_common import (
+    Decode,
+    FinishReason,
+    Usage,
+    _logprobs,
+    _lp,
+    _now,
+    _Request,
+    _tok,
+    finish_reason,
+    merge_outputs,
+    random_id,
+    usage,
+)
+
 
 class CompletionRequest(_Request):
     """POST /v1/completions: one prompt, text or token ids."""

@@ -21,7 +21,8 @@ concatenation held the old and the new arrays at once, twice the cap). Past the 
 decode gathers from the pool instead.
 """
 
-from typing import Dict, List, Optional, Sequence as Seq, Tuple
+from typing import Dict, List, Optional, Tuple
+from typing import Sequence as Seq
 
 import mlx.core as mx
 import numpy as np

@@ -3,9 +3,9 @@
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
-from .page_manager import PageManager
-from .state_snapshots import StateSnapshots
-from .request import RequestOutput, Sequence, Status
+from ..memory.page_manager import PageManager
+from ..memory.state_snapshots import StateSnapshots
+from ..request import RequestOutput, Sequence, Status
 from .step_budget import StepBudget, StepRoom
 
 

@@ -16,6 +16,12 @@ cores), the scale learns. A request whose prediction passes SAFETY x its timeout
 client's, or `request_timeout_s`) is refused at once with `overloaded` and a
 `retry_after_s`: the excess, about when the work ahead will have drained enough.
 
+A promise to one request is not broken for the next: each admitted request's
+prediction is pushed back by the prefill of every request admitted after it (those
+prompts' chunks ride in the steps that carry its tokens), and a request whose prefill
+would push an admitted one past its own deadline is refused, however well it would
+itself fit. The calibration is measured against the pushed predictions.
+
 A request with nothing queued or running ahead of it is always taken: no wait would
 make it faster. Until steps are measured, others are taken only while the prompts
 queued, with theirs, fit one step's token budget (a burst of short requests on a fresh
@@ -26,11 +32,12 @@ are prefilled in arrival order, and every step advances every decoding row.
 
 import time
 from collections import deque
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, Optional
 
 import numpy as np
 
-from .request import Request, RequestOutput, Sequence
+from ..request import Request, RequestOutput, Sequence
 from .scheduler import Scheduler
 
 DECAY = 0.9  # per measured step: the estimates follow a change of load within ~10 steps
@@ -44,6 +51,23 @@ PRIOR_CALIBRATION = 2.0  # until then: the model misses what later admissions ad
 MIN_PREDICTED_STEPS = 4  # a prediction shorter than this many steps is judged as this long: overheads dominate it
 
 
+@dataclass
+class Promise:
+    """What admission predicted for a request it took."""
+
+    since: float  # perf_counter at admission
+    model_s: float  # the model's prediction, pushed back by the prefill admitted after it
+    calibration: float  # the scale in force when it was admitted
+    timeout_s: float
+
+    @property
+    def deadline(self) -> float:
+        return self.since + SAFETY * self.timeout_s
+
+    def ends(self, scale: float, push: float = 0.0) -> float:
+        return self.since + scale * (self.model_s + push)
+
+
 class Admission:
     def __init__(self, request_timeout_s: Optional[float] = None):
         self.request_timeout_s = request_timeout_s
@@ -51,7 +75,7 @@ class Admission:
         self._alone = [0.0, 0.0]  # the same of steps that only prefill: until a mixed one is seen
         self._gap_s: Optional[float] = None  # decayed time of steps with decode rows
         self._outputs: deque = deque(maxlen=256)  # recent requests' output lengths; None: cut by max_tokens
-        self._admitted: Dict[str, Tuple[float, float, float]] = {}  # rid -> (when, model's prediction, calibrated)
+        self._admitted: Dict[str, Promise] = {}  # what was promised to each admitted, unfinished request
         self._errors: deque = deque(maxlen=64)  # recent completions / the model's predictions
         self.accuracy: deque = deque(maxlen=256)  # recent completions / the (calibrated) predictions acted on
         self.num_refused = 0  # by the engine loop
@@ -76,9 +100,9 @@ class Admission:
             return
         self._outputs.append(None if out.finish_reason == "length" else out.num_output_tokens)
         if admitted is not None:
-            took = time.perf_counter() - admitted[0]
-            self._errors.append(took / admitted[1])
-            self.accuracy.append(took / admitted[2])
+            took = time.perf_counter() - admitted.since
+            self._errors.append(took / admitted.model_s)
+            self.accuracy.append(took / (admitted.model_s * admitted.calibration))
 
     @property
     def calibration(self) -> float:
@@ -145,6 +169,26 @@ class Admission:
         return (f"the server is overloaded: this request would finish in about {predicted:.0f} s, past "
                 f"{SAFETY * timeout:.0f} s ({SAFETY:g} of its {timeout:g} s timeout); retry later")
 
+    def _prefill_s(self, seq: Sequence, scheduler: Scheduler) -> float:
+        """The model's seconds of `seq`'s own prefill: what it adds to the requests ahead."""
+        return scheduler.uncached_tokens(seq) * (self.seconds_per_token or 0.0)
+
+    def _broken_promise(self, seq: Sequence, scheduler: Scheduler) -> Optional[float]:
+        """None when admitting `seq` keeps every promise made; else the seconds until the
+        soonest of the requests it would push past their deadlines is predicted to end."""
+        now, push, scale = time.perf_counter(), self._prefill_s(seq, scheduler), self.calibration
+        broken = [p.ends(scale) - now for p in self._admitted.values() if p.ends(scale, push) > p.deadline > now]
+        return max(1.0, min(broken)) if broken else None
+
+    def _promise(self, seq: Sequence, scheduler: Scheduler, model: float, timeout: float) -> None:
+        now, push = time.perf_counter(), self._prefill_s(seq, scheduler)
+        for rid in [rid for rid, p in self._admitted.items() if p.since + p.timeout_s < now]:
+            del self._admitted[rid]  # past its client's timeout: gone, or it ends without this promise
+        for p in self._admitted.values():
+            p.model_s += push
+        least = MIN_PREDICTED_STEPS * self._gap_s + 1e-6
+        self._admitted[seq.rid] = Promise(now, max(model, least), self.calibration, timeout)
+
     def _slot_wait(self, scheduler: Scheduler, gap: float) -> float:
         """When a running slot frees for a request queued behind the waiting ones."""
         ahead = len(scheduler.running) + len(scheduler.waiting) - scheduler.max_running
@@ -164,19 +208,27 @@ class Admission:
         allowed = SAFETY * timeout
         if predicted is None:  # not measured yet: take what the first steps hold, as a burst of short prompts
             ahead = scheduler.queued_prefill_tokens() + scheduler.uncached_tokens(seq)
-            if ahead <= scheduler.budget.max_batched_tokens and len(scheduler.running) + len(scheduler.waiting) < scheduler.max_running:
+            if (ahead <= scheduler.budget.max_batched_tokens
+                    and len(scheduler.running) + len(scheduler.waiting) < scheduler.max_running):
                 return None
-        if not (scheduler.waiting or scheduler.running) or (predicted is not None and predicted <= allowed):
-            if predicted is not None:  # to measure the prediction against the completion
-                least = MIN_PREDICTED_STEPS * self._gap_s + 1e-6
-                self._admitted[seq.rid] = (time.perf_counter(), max(model, least), max(predicted, least))
-            return None
+        alone = not (scheduler.waiting or scheduler.running)
+        if alone or (predicted is not None and predicted <= allowed):
+            broken = None if alone or predicted is None else self._broken_promise(seq, scheduler)
+            if broken is None:
+                if predicted is not None:  # to measure the prediction against the completion
+                    self._promise(seq, scheduler, model, timeout)
+                return None
+            return self._refusal(seq, scheduler, "the server is overloaded: taking this request would delay "
+                                 "requests it already took past their clients' timeouts; retry later", broken)
         if predicted is None:  # not measured yet: nothing ahead of it, or not taken
             message = "the server is overloaded: it has work ahead and has not measured its speed yet; retry later"
             retry = 2.0
         else:
             message, retry = self._refusal_message(predicted, timeout), predicted - allowed
+        return self._refusal(seq, scheduler, message, retry)
+
+    def _refusal(self, seq: Sequence, scheduler: Scheduler, message: str, retry_after_s: float) -> RequestOutput:
         self.num_refused += 1
         out = scheduler.refusal(seq, message, "overloaded")
-        out.retry_after_s = retry
+        out.retry_after_s = retry_after_s
         return out

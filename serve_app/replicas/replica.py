@@ -12,7 +12,6 @@ from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 
 from .rank_group import RankGroup
 
-
 REPORT_ALL_PAGES = 4096
 
 # Histogram buckets (seconds).

@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from mlx_lm.tool_parsers import json_tools
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlx_worker.grammar import GrammarSpec
+from mlx_worker.sampling.grammar import GrammarSpec
+
 
 # --- request types ---------------------------------------------------------------------
 class FunctionDef(BaseModel):

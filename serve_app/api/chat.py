@@ -7,10 +7,24 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 from mlx_worker.request import RequestOutput
 
-from .openai_common import (Decode, FinishReason, Usage, _Request, _json_or_text, _logprobs, _lp, _now, _tok,
-                            finish_reason, merge_outputs, random_id, usage)
+from .openai_common import (
+    Decode,
+    FinishReason,
+    Usage,
+    _json_or_text,
+    _logprobs,
+    _lp,
+    _now,
+    _Request,
+    _tok,
+    finish_reason,
+    merge_outputs,
+    random_id,
+    usage,
+)
 from .output_parser import Parsed
 from .tools import Tool, ToolCall, ToolChoice
+
 
 class Message(BaseModel):
     """A chat message; content is text (a list of text parts is joined with newlines)."""

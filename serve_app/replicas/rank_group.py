@@ -16,8 +16,8 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mlx_worker import Engine, EngineConfig
-from mlx_worker.loader import load_sharded
-from mlx_worker.ranks import Ranks, free_port, start_ranks
+from mlx_worker.distributed.ranks import Ranks, free_port, start_ranks
+from mlx_worker.models.loader import load_sharded
 
 FOLLOWER_CHECK_S = 10.0
 

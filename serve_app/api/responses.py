@@ -12,20 +12,34 @@ import json
 import time
 from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Union
 
-from openai.types.responses import (Response, ResponseCompletedEvent, ResponseContentPartAddedEvent,
-                                    ResponseContentPartDoneEvent, ResponseCreatedEvent,
-                                    ResponseFunctionCallArgumentsDeltaEvent, ResponseFunctionCallArgumentsDoneEvent,
-                                    ResponseFunctionToolCall, ResponseIncompleteEvent, ResponseInProgressEvent, ResponseOutputItemAddedEvent,
-                                    ResponseOutputItemDoneEvent, ResponseOutputMessage, ResponseOutputText,
-                                    ResponseReasoningItem, ResponseReasoningTextDeltaEvent, ResponseTextDeltaEvent,
-                                    ResponseTextDoneEvent, ResponseUsage)
+from openai.types.responses import (
+    Response,
+    ResponseCompletedEvent,
+    ResponseContentPartAddedEvent,
+    ResponseContentPartDoneEvent,
+    ResponseCreatedEvent,
+    ResponseFunctionCallArgumentsDeltaEvent,
+    ResponseFunctionCallArgumentsDoneEvent,
+    ResponseFunctionToolCall,
+    ResponseIncompleteEvent,
+    ResponseInProgressEvent,
+    ResponseOutputItemAddedEvent,
+    ResponseOutputItemDoneEvent,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponseReasoningItem,
+    ResponseReasoningTextDeltaEvent,
+    ResponseTextDeltaEvent,
+    ResponseTextDoneEvent,
+    ResponseUsage,
+)
 from openai.types.responses.response_reasoning_item import Content as ReasoningText
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlx_worker.request import RequestOutput
 
-from .chat_api import ChatCompletionRequest
+from .chat import ChatCompletionRequest
 from .openai_common import merge_outputs, random_id
 from .output_parser import CallPiece, Parsed
 from .tools import ToolCall

@@ -11,10 +11,10 @@ forward per position (`UNIFORM`).
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from .kv_pool import KVPool
+from ..memory.kv_pool import KVPool
 from .model_caches import CacheTree
-from .paged_cache import BatchLayout, forward_caches
-from .recurrent_state import RecurrentStates, RowState
+from ..memory.paged_cache import BatchLayout, forward_caches
+from ..memory.recurrent_state import RecurrentStates, RowState
 
 RAGGED, RAGGED_HEAD_GROUPS, UNIFORM = "ragged", "ragged_head_groups", "uniform_offsets"
 # Long enough that length-gated code (sparse block selection, sliding windows) runs; code

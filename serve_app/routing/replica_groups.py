@@ -20,7 +20,7 @@ import math
 from collections import OrderedDict
 from typing import Dict, List, Sequence
 
-from .router import imbalanced
+from .prefix_policy import imbalanced
 
 MAX_TRACKED_PAGES = 200_000  # page hashes remembered, all groups together
 BALANCE_WINDOW = 256  # requests in the (exponentially decayed) window of each group's share

@@ -1,0 +1,1 @@
+"""One engine over several Macs: tensor- and pipeline-parallel ranks."""

@@ -1,0 +1,1 @@
+"""From logits to text: sampling parameters and the in-graph sampler, grammars, incremental detokenization."""

@@ -1,0 +1,1 @@
+"""What runs in each step: continuous batching, the step budget and its measured cost, admission by deadline."""

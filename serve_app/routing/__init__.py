@@ -1,0 +1,1 @@
+"""Which replica serves a request: the prefix-affinity router and the choice between replica groups."""
