@@ -1,5 +1,6 @@
 # make serve: install, then run the Serve app with the embedded default model.
 # make test:  install, then run the test suite.
+# make test-fast: the engine and API unit tests (no Ray cluster, no subprocess ranks): the inner loop.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -13,7 +14,7 @@ export LD_PRELOAD := $(OPENBLAS)
 export OPENBLAS_THREAD_TIMEOUT ?= 20
 endif
 
-.PHONY: install test serve bench clean
+.PHONY: install test test-fast serve bench clean
 
 install: $(STAMP)
 
@@ -30,6 +31,11 @@ endif
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+FAST_TESTS := admission step_budget page_manager detokenizer sampler protocol router_unit configuration \
+	grammar engine_correctness engine_sampling engine_structured engine_lifecycle replica_groups output_head prompt_logprobs
+test-fast: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) $(foreach t,$(FAST_TESTS),tests/test_$(t).py)
 
 serve: install
 	$(BIN)/serve run deploy/app.yaml

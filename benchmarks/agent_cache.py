@@ -20,7 +20,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from served_load import deployed_app  # noqa: E402  (benchmarks/served_load.py)
+from common import deployed_app  # noqa: E402  (benchmarks/common.py)
 
 SYSTEM = " ".join(f"Rule {i}: answer tersely, cite the tool's result, never guess the weather." for i in range(140))
 WEATHER = {"name": "get_weather", "description": "Weather in a city.",

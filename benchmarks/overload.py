@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from load_clients import WORDS, canary_ok, run_arrivals, run_load  # noqa: E402
-from served_load import deployed_app, pct  # noqa: E402
+from common import deployed_app, ms, pct  # noqa: E402
 
 
 def stats(base):
@@ -47,10 +47,6 @@ def wait_idle(base, timeout=600):
             return st
         time.sleep(1)
     raise TimeoutError("the engine did not drain")
-
-
-def ms(xs, q):
-    return f"{1e3 * pct(xs, q):.0f}" if xs else "-"
 
 
 HEADER = (f"{'phase':<22}{'done':>6}{'goodput/s':>10}{'lost':>6}{'refused':>8}{'429s':>6}{'retry ok':>9}"
@@ -96,15 +92,18 @@ async def streams_gap(base, arrivals_rate, seconds=60, n=8):
             if chunk.choices:
                 stamps[i].append(time.perf_counter())
 
+    arrivals = []
+
     async def arrive():
         rng = random.Random(1)
         until = time.monotonic() + seconds
         while arrivals_rate and time.monotonic() < until:
             await asyncio.sleep(rng.expovariate(arrivals_rate))
             text = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(300, 1200)))
-            asyncio.create_task(client.completions.create(model=model, prompt=text, max_tokens=4))
+            arrivals.append(asyncio.create_task(client.completions.create(model=model, prompt=text, max_tokens=4)))
 
     await asyncio.gather(*[stream(i) for i in range(n)], arrive())
+    await asyncio.gather(*arrivals, return_exceptions=True)  # before the client closes under them
     start, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
     await client.close()
     return [y - x for s in stamps for x, y in zip(s, s[1:]) if start <= x and y <= end]

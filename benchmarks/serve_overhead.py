@@ -28,6 +28,7 @@ import httpx  # noqa: E402
 from fastapi import FastAPI, Request as HTTPRequest  # noqa: E402
 from fastapi.responses import StreamingResponse  # noqa: E402
 from ray import serve  # noqa: E402
+from common import pct  # noqa: E402
 from serve_fixtures import run_app, start_serve, stop_serve  # noqa: E402
 from tiny_models import save_tiny_model  # noqa: E402
 
@@ -61,11 +62,6 @@ class FloorIngress:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream")
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def prompts(tok, n):

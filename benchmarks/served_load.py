@@ -11,47 +11,24 @@ loops and the engine the bottleneck, Little's law puts the mean latency near N x
 """
 
 import argparse
-import contextlib
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from load_clients import run_load  # noqa: E402
-from serve_fixtures import free_port, serve_run  # noqa: E402
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+from common import deployed_app, pct  # noqa: E402
 
 
 def engine_busy_s(st):
     """The engine thread's time in steps (host work + device dispatch and wait) since start."""
     return st["steps"] * (st["host_ms_per_step"] + st["device_ms_per_step"]) / 1e3
-
-
-@contextlib.contextmanager
-def deployed_app(engine_overrides=None):
-    """`serve run deploy/app.yaml` as shipped, only its HTTP port moved to a free one on
-    loopback (and any `engine_overrides` set in its engine config); yields the base URL."""
-    cfg = yaml.safe_load((ROOT / "deploy" / "app.yaml").read_text())
-    cfg["applications"][0]["args"]["engine"].update(engine_overrides or {})
-    port = free_port()
-    cfg["http_options"] = {**cfg["http_options"], "host": "127.0.0.1", "port": port}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "app.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        with serve_run(path, port, ROOT) as base:
-            yield base
 
 
 def main():

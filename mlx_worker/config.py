@@ -27,7 +27,7 @@ class EngineConfig(StrictModel):
     step_budget: Literal["time", "tokens"] = "time"
     """time: a step with decode rows prefills only as much as keeps it within the token gap; tokens: every step takes max_batched_tokens, whatever it costs."""
     max_token_gap_s: Optional[float] = Field(None, gt=0)
-    """A step carrying decode rows stays within this many seconds; null: 3x the measured decode-only step of its rows."""
+    """A step carrying decode rows stays within this many seconds; null: 3x the decode-only step of its rows, as the measured step cost predicts it."""
     min_prefill_tokens: int = Field(256, ge=1)
     """Prompt tokens a step prefills however short the gap, so prompts always move."""
     decode_staging_fraction: float = Field(0.5, ge=0)

@@ -11,19 +11,19 @@ import weakref
 from collections import deque
 from typing import AsyncIterator, Dict, List, Optional, Tuple
 
-import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import EngineConfig
 from .distributed.ranks import RankLost, Ranks
+from .engine_stats import EngineStats
 from .memory.activations import activation_budget
 from .memory.kv_pool import KVPool, kv_budget, kv_bytes_per_token, pool_pages
+from .memory.model_caches import probe_caches
 from .memory.page_manager import PageManager
 from .memory.state_snapshots import StateSnapshots
 from .models.batch_probe import probe_batching
 from .models.loader import load_model, load_sharded
-from .models.model_caches import probe_caches
 from .request import Request, RequestOutput, Sequence
 from .sampling.detokenizer import IncrementalDetokenizer
 from .sampling.grammar import GrammarCompiler
@@ -85,7 +85,6 @@ class Engine:
         self.kv_bytes_per_token = kv_bytes_per_token(tree.kv, tree.kv_dtype)
         self.state_bytes_per_request = tree.state_bytes
         self.admission = Admission(config.request_timeout_s)
-        self._recent_steps: deque = deque(maxlen=STEP_WINDOW)  # (seconds, decode rows, prefill tokens)
         self._sent_coef = None  # the step cost coefficients the followers have
         self._last_finish = 0.0  # when the last step finished (perf_counter)
         self.num_steps = 0
@@ -98,10 +97,8 @@ class Engine:
         self.worker.before_device = self._flush_outbox
         self._host_s = 0.0  # engine-thread time per step that is not spent waiting for the device
         self._host_cpu_s = 0.0  # the same span in the thread's CPU time: without the waits for a free core
-        self._hashes_version, self._hashes_at = -1, 0.0
-        self._memory = self._memory_budget(weights)
-        self._stats: dict = {}
-        self._publish_stats()
+        self._stats = EngineStats(self._memory_budget(weights))
+        self._stats.publish(self)
         self._stop = threading.Event()
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
@@ -132,7 +129,7 @@ class Engine:
 
         async def pump(i: int):
             seed = None if params.seed is None else (params.seed + i) % 2**32
-            sub = Request(rid=f"{request.rid}#{i}", prompt_ids=request.prompt_ids,
+            sub = Request(rid=f"{request.rid}#{i}", prompt_ids=request.prompt_ids, timeout_s=request.timeout_s,
                           params=params.model_copy(update={"n": 1, "seed": seed}))
             try:
                 async for out in self._generate_one(sub, i, detokenize):
@@ -158,7 +155,7 @@ class Engine:
     async def _generate_one(self, request: Request, index: int, detokenize: bool) -> AsyncIterator[RequestOutput]:
         if self._error is not None:
             raise RuntimeError("engine loop died") from self._error
-        refusal = self.admission.refuse_early(request, self._stats)
+        refusal = self.admission.refuse_early(request, self._stats.snapshot)
         if refusal is not None:  # at once, not at the engine loop's next turn
             refusal.index = index
             yield refusal
@@ -205,7 +202,7 @@ class Engine:
     def stats(self) -> dict:
         """Load, KV use, cache counters and cached page hashes, as of the last step. A
         snapshot the engine thread publishes after each step: never waits on the device."""
-        return {**self._stats, **self._step_stats()}
+        return self._stats.current(self)
 
     def _memory_budget(self, weights: int) -> dict:
         """What peak memory should stay within: weights + pool + staging + activations."""
@@ -213,70 +210,6 @@ class Engine:
                 "recurrent_state_budget_bytes": self.state_budget_bytes,
                 "decode_staging_budget_bytes": self.worker.staging.max_bytes,
                 "activation_budget_bytes": self.activation_bytes}
-
-    def _publish_stats(self) -> None:
-        pm, sched, worker = self.pages, self.scheduler, self.worker
-        now = time.monotonic()
-        hashes = self._stats.get("cached_page_hashes", [])
-        snaps = self.snapshots
-        version = (pm.version, snaps.version if snaps else 0)
-        if self._hashes_version != version and (now - self._hashes_at >= HASHES_PERIOD_S or not sched.has_work()):
-            # A model with recurrent layers resumes only at a snapshot: report those pages.
-            hashes = snaps.hashes(pm.page_of) if snaps else pm.cached_hashes()
-            self._hashes_version, self._hashes_at = version, now
-        steps = max(1, self.num_steps)
-        self._stats = {
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "kv_pages_used": pm.used(),
-            "kv_pages_total": pm.num_pages,
-            "kv_pages_cached": len(pm.page_of),
-            "page_size": pm.page_size,
-            "prefix_hit_tokens": pm.hit_tokens,
-            "prefix_query_tokens": pm.query_tokens,
-            "evictions": pm.evictions,
-            "preemptions": sched.num_preemptions,
-            "steps": self.num_steps,
-            "failed_steps": self.num_failed_steps,
-            "decode_steps_staged": worker.staging.num_staged,
-            "decode_steps_gathered": worker.staging.num_gathered,
-            "decode_steps_restaged": worker.staging.num_restaged,  # of the staged: new arrays, all rows copied in
-            "queued_prefill_tokens": (queued := sched.queued_prefill_tokens()),
-            "queue_wait_s": self.admission.wait_s(queued),  # the queued prefill at the measured rate; None: not yet
-            "refused_overloaded": self.admission.num_refused + self.admission.num_refused_early,
-            "tokens_computed": sched.tokens_computed,
-            "tokens_wasted": sched.tokens_wasted,  # computed for requests then aborted (client gone) or failed
-            "host_ms_per_step": 1e3 * self._host_s / steps,
-            "graph_build_ms_per_step": 1e3 * worker.build_s / steps,  # of host_ms: the model's own code
-            "host_cpu_ms_per_step": 1e3 * self._host_cpu_s / steps,  # host_ms in CPU time: no waits for a core
-            "graph_build_cpu_ms_per_step": 1e3 * worker.build_cpu_s / steps,
-            "device_ms_per_step": 1e3 * worker.device_s / steps,
-            "cached_page_hashes": hashes,
-            "ranks": self.ranks.size if self.ranks else 1,  # Macs this engine spans
-            "batching": self.batching,
-            "recurrent_state_bytes_per_request": self.state_bytes_per_request,
-            "state_snapshots": len(snaps) if snaps else 0,
-            "state_snapshot_bytes": snaps.nbytes if snaps else 0,
-            "peak_memory_bytes": mx.get_peak_memory(),
-            **self._memory,
-        }
-
-    def _step_stats(self) -> dict:
-        """Step times and prefill per step over the last STEP_WINDOW steps, the token gap
-        the budget aims at, and the fitted step cost."""
-        steps = list(self._recent_steps)
-        times = [t for t, _, _ in steps]
-        mixed = [t for t, rows, tokens in steps if rows and tokens]
-        chunks = [tokens for _, _, tokens in steps if tokens]
-        q = lambda xs, p: float(np.quantile(xs, p)) if xs else None  # noqa: E731
-        accuracy = list(self.admission.accuracy)
-        return {"completion_over_prediction_p50": q(accuracy, 0.5), "completion_over_prediction_p90": q(accuracy, 0.9),
-                "prediction_calibration": self.admission.calibration,
-                "step_s_p50": q(times, 0.5), "step_s_p99": q(times, 0.99),
-                "mixed_step_s_p50": q(mixed, 0.5), "mixed_step_s_p99": q(mixed, 0.99),
-                "prefill_tokens_per_step_p50": q(chunks, 0.5), "prefill_tokens_per_step_max": max(chunks, default=None),
-                "token_gap_target_s": self.budget.last_gap_s, "token_gap_s": self.admission.gap_s,
-                "step_cost": self.budget.cost.describe()}
 
     @property
     def error(self) -> Optional[BaseException]:
@@ -347,7 +280,7 @@ class Engine:
             plan, launched = None, False
             try:
                 if inflight and self.scheduler.needs_sync():
-                    self._finish_step(inflight.popleft())
+                    self._finish_oldest(inflight)
                 plan = self.scheduler.schedule()
                 if plan:
                     inflight.append(self.worker.launch(plan))
@@ -356,7 +289,7 @@ class Engine:
                     self.num_steps += 1
                 self._deliver(self.scheduler.drain_outputs())
                 if inflight and (len(inflight) > 1 or not plan or not self.config.overlap):
-                    self._finish_step(inflight.popleft())
+                    self._finish_oldest(inflight)
                 failures = 0
             except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
                 if self.ranks and self.ranks.channel.peer_gone():
@@ -382,8 +315,7 @@ class Engine:
         if unlaunched:
             try:
                 while inflight:
-                    self._finish_step(inflight[0])
-                    inflight.popleft()
+                    self._finish_oldest(inflight)
             except Exception:  # noqa: BLE001 - they fail with the rest
                 pass
         self._fail_steps(plans + [s.plan for s in inflight], error)
@@ -398,8 +330,14 @@ class Engine:
         self.worker.reset()
         self.pages.reset_prefix_cache()
         self.num_failed_steps += 1
-        self._publish_stats()
+        self._stats.publish(self)
         self._deliver(outputs)
+
+    def _finish_oldest(self, inflight: deque) -> None:
+        """Finish the oldest step in flight; it leaves `inflight` only once finished, so
+        that a step whose results fail to arrive is failed with the rest (_recover)."""
+        self._finish_step(inflight[0])
+        inflight.popleft()
 
     def _finish_step(self, step) -> None:
         tokens = self.worker.finalize(step)
@@ -408,12 +346,12 @@ class Engine:
         self._last_finish = now
         prefill = sum(c.length for c in plan.prefills)
         self.admission.observe(seconds, prefill, len(plan.decode))
-        self._recent_steps.append((seconds, len(plan.decode), prefill))
+        self._stats.step(seconds, len(plan.decode), prefill)
         if not self.ranks or self.ranks.leader:  # the followers take the leader's fit (_replay_commands)
             self.budget.cost.observe(shape_of([p for _, p in plan.decode], [(c.start, c.length) for c in plan.prefills]),
                                      seconds)
         outputs = self.scheduler.process(plan, tokens)
-        self._publish_stats()
+        self._stats.publish(self)
         self._deliver(outputs)
 
     def _grammar_compiler(self):
@@ -459,7 +397,7 @@ class Engine:
                 self._sent_coef = coef.copy()
             self.ranks.channel.send(applied)
         if taken:  # the figures changed
-            self._publish_stats()
+            self._stats.publish(self)
         self._deliver(outputs)
 
     def _replay_commands(self) -> None:
@@ -479,7 +417,7 @@ class Engine:
             elif cmd == "stop":
                 self._stop.set()
         if applied:
-            self._publish_stats()
+            self._stats.publish(self)
 
     def _deliver(self, outputs: List[RequestOutput]) -> None:
         """Queue outputs for their callers' event loops; they are handed over just before
@@ -503,8 +441,6 @@ class Engine:
 MAX_CONSECUTIVE_FAILURES = 3  # then the loop dies and the replica reports itself unhealthy
 RANK_LOST = "a rank of this engine's group is gone: the group must restart"
 GROUP_WATCH_S = 0.5  # how often a rank checks that the others are still there
-STEP_WINDOW = 256  # recent steps behind the step-time figures of stats()
-HASHES_PERIOD_S = 0.25  # cached page hashes are re-listed at most this often while busy
 
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 

@@ -17,10 +17,15 @@ class StrictModel(BaseModel):
     @classmethod
     def _known_keys(cls, data):
         if isinstance(data, dict):
-            known = set(cls.model_fields)
-            for key in data:
-                if key not in known:
-                    near = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
-                    hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys: {', '.join(sorted(known))}"
-                    raise ValueError(f"unknown {cls.__name__} key {key!r}{hint}")
+            check_keys(cls, data)
         return data
+
+
+def check_keys(model: type, data: dict) -> None:
+    """Raise ValueError naming the first key of `data` that `model` has no field for."""
+    known = sorted(model.model_fields)
+    for key in data:
+        if key not in known:
+            near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys: {', '.join(known)}"
+            raise ValueError(f"unknown {model.__name__} key {key!r}{hint}")

@@ -10,10 +10,10 @@ import numpy as np
 
 from .memory.decode_kv import DecodeStaging
 from .memory.kv_pool import KVPool
+from .memory.model_caches import CacheTree
 from .memory.paged_cache import BatchLayout, forward_caches
 from .memory.recurrent_state import RecurrentStates, RowState
 from .models.batch_probe import RAGGED, RAGGED_HEAD_GROUPS, UNIFORM
-from .models.model_caches import CacheTree
 from .models.output_head import split_output_head
 from .request import Sequence
 from .sampling.sampler import SampleResult, SamplerRow, sample, token_logprobs

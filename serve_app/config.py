@@ -5,7 +5,9 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import Field, model_validator
 
 from mlx_worker.config import EngineConfig
-from mlx_worker.strict_model import StrictModel
+from mlx_worker.strict_model import StrictModel, check_keys
+
+from .routing.prefix_policy import PrefixAffinityConfig
 
 
 class ReplicaGroupArgs(StrictModel):
@@ -58,8 +60,10 @@ class AppArgs(StrictModel):
     @model_validator(mode="after")
     def _engine_keys(self):
         """The engine keys, the app's and each group's, checked now: a typo fails the
-        deploy with its name instead of running the defaults."""
+        deploy with its name instead of running the defaults (the router's keys too)."""
         EngineConfig.model_validate({**self.engine, "model": self.model})
+        check_keys(PrefixAffinityConfig, self.router_kwargs)
+        PrefixAffinityConfig.model_validate(self.router_kwargs)
         for group in self.replica_groups:
             EngineConfig.model_validate({**self.engine, **group.engine, "model": self.model})
         return self

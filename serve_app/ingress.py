@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import math
 import time
 import weakref
 from pathlib import Path
@@ -28,6 +27,8 @@ from .api import tools as T
 from .api.harmony import HarmonyParser, is_harmony
 from .api.output_parser import OutputParser, Parsed, starts_in_reasoning, think_format
 from .config import AppArgs
+from .model_files import context_length, download_tokenizer, served_name
+from .replica_outcomes import Overloaded, engine_error, replica_error, replica_failed
 from .routing.replica_groups import GroupPicker
 
 api = FastAPI(title="macfarm", description="OpenAI-compatible LLM serving on a Mac farm")
@@ -35,14 +36,14 @@ api = FastAPI(title="macfarm", description="OpenAI-compatible LLM serving on a M
 # A body is refused (413) past this many bytes per token of context (at least 1 MiB):
 # tokenizing a multi-MB prompt that cannot fit anyway blocks the ingress for seconds.
 BODY_BYTES_PER_TOKEN = 64
-ANTHROPIC_ROUTES = ("/v1/messages",)  # errors there take Anthropic's shape
+ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")  # errors there take Anthropic's shape
 MAX_REPLICA_TRIES = 4  # replicas of one group tried in turn when they refuse a request as overloaded
 
 
 def _error(request: Request, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
            headers=None):
     """An error in the shape of the API the request went to."""
-    if request.url.path.startswith(ANTHROPIC_ROUTES):
+    if request.url.path.rstrip("/").endswith(ANTHROPIC_ROUTES):  # under any route prefix
         return JSONResponse(A.error_body(status, message), status_code=status, headers=headers)
     return JSONResponse(P.error_body(status, message, param, code), status_code=status, headers=headers)
 
@@ -77,10 +78,10 @@ class Ingress:
 
         self.args = AppArgs.model_validate(args)
         path = resolve_model(self.args.model)
-        local = Path(path) if Path(path).exists() else _download(path)  # tokenizer + config only
+        local = Path(path) if Path(path).exists() else download_tokenizer(path)  # tokenizer + config only
         self.tokenizer = load_tokenizer(local)
-        self.model_name = self.args.model_name or (Path(self.args.model).stem if self.args.model else "SmolLM2-135M-Instruct")
-        self.max_model_len = _context_length(local)
+        self.model_name = self.args.model_name or served_name(self.args.model)
+        self.max_model_len = context_length(local)
         self.vocab_size = len(self.tokenizer._tokenizer)
         self.page_size = int(self.args.engine.get("page_size", PAGE_SIZE))
         self.max_body_bytes = max(1 << 20, BODY_BYTES_PER_TOKEN * self.max_model_len)
@@ -290,12 +291,12 @@ class Ingress:
         except BackPressureError:
             raise
         except Exception as e:  # noqa: BLE001 - the replica died or failed
-            raise _replica_failed(e)
+            raise replica_failed(e)
         finally:
             if self.groups:
                 self.groups.finished(group)
         if "error" in result:
-            raise _replica_error(result)
+            raise replica_error(result)
         return result
 
     async def _start_in(self, group: str, payload: dict, hashes: List[int]):
@@ -310,12 +311,12 @@ class Ingress:
         except StopAsyncIteration:
             raise P.ProtocolError("the replica ended the stream without output", status=500)
         except Exception as e:  # noqa: BLE001 - the replica died or failed: no output yet
-            raise _replica_failed(e)
+            raise replica_failed(e)
         if isinstance(first, dict):
             stream.cancel()
-            raise _replica_error(first)
+            raise replica_error(first)
         if first.finish_reason == "error":
-            raise _engine_error(first)
+            raise engine_error(first)
         return first, stream
 
     @staticmethod
@@ -326,10 +327,10 @@ class Ingress:
             async for out in stream:
                 outs.append(out)
         except Exception as e:  # noqa: BLE001 - the replica died mid-request
-            raise _replica_failed(e)
+            raise replica_failed(e)
         failed = [o for o in outs if o.finish_reason == "error"]
         if failed:
-            raise _engine_error(failed[0])
+            raise engine_error(failed[0])
         return outs
 
     async def _body(self, request: Request) -> bytes:
@@ -368,7 +369,7 @@ class Ingress:
             out = first
             while True:
                 if out.finish_reason == "error":  # the engine failed this request mid-stream: say so, end
-                    yield f"data: {json.dumps(_engine_error(out).body())}\n\n"
+                    yield f"data: {json.dumps(engine_error(out).body())}\n\n"
                     return
                 outs.append(out)
                 if kind == "chat":
@@ -387,7 +388,7 @@ class Ingress:
                 except StopAsyncIteration:
                     break
                 except Exception as e:  # noqa: BLE001 - the replica died mid-stream: say so, end
-                    yield f"data: {json.dumps(_replica_failed(e).body())}\n\n"
+                    yield f"data: {json.dumps(replica_failed(e).body())}\n\n"
                     return  # no usage, no [DONE]: the stream did not complete
             if include_usage:
                 cls = P.ChatCompletionChunk if kind == "chat" else P.Completion
@@ -404,7 +405,7 @@ class Ingress:
         out = first
         while True:
             if out.finish_reason == "error":
-                yield out, _engine_error(out)
+                yield out, engine_error(out)
                 return
             yield out, _piece(parser, out)
             if out.finished:
@@ -414,12 +415,12 @@ class Ingress:
             except StopAsyncIteration:
                 return
             except Exception as e:  # noqa: BLE001 - the replica died mid-stream
-                yield None, _replica_failed(e)
+                yield None, replica_failed(e)
                 return
 
     async def _writer_sse(self, first, stream, parser, writer, module) -> AsyncIterator[str]:
-        """One sample's stream through an API's event writer (`module`: anthropic_api or
-        responses_api: its StreamWriter's events, `sse` and `error_event`)."""
+        """One sample's stream through an API's event writer (`module`: api.anthropic_messages or
+        api.responses: its StreamWriter's events, `sse` and `error_event`)."""
         try:
             for event in writer.start(first):
                 yield module.sse(event)
@@ -446,54 +447,6 @@ def _piece(parser: Optional[OutputParser], out) -> Parsed:
     if parser is None:
         return Parsed(out.text)
     return parser.feed(out.text) + (parser.finish(out.finish_reason) if out.finished else Parsed())
-
-
-def _engine_error(out) -> "P.ProtocolError":
-    """The engine ended the request with an error: the client's (a prompt the KV pool can
-    never hold) is a 400, anything else a 500."""
-    status = 400 if out.error_code == "context_length_exceeded" else 500
-    return P.ProtocolError(out.error or "request failed", code=out.error_code, status=status)
-
-
-def _replica_error(err: dict) -> "P.ProtocolError":
-    """An error the replica answered with before any output ({"error", "status", ...})."""
-    if err.get("code") == "overloaded":
-        return Overloaded(err["error"], err.get("retry_after_s") or 1, err.get("engine_id"))
-    return P.ProtocolError(err["error"], code=err.get("code"), status=err.get("status", 400))
-
-
-
-def _replica_failed(e: Exception) -> "P.ProtocolError":
-    return P.ProtocolError(f"the model replica failed ({type(e).__name__}); retry the request",
-                           code="replica_failed", status=503)
-
-
-class Overloaded(P.ProtocolError):
-    """429 with Retry-After: refused at once (by a replica that predicts it cannot finish
-    the request in time, or by Serve's queue limit)."""
-
-    def __init__(self, message: str, retry_after_s: float, engine_id: Optional[str] = None):
-        super().__init__(message, code="overloaded", status=429)
-        self.retry_after, self.engine_id = max(1, math.ceil(retry_after_s)), engine_id
-        self.headers = {"Retry-After": str(self.retry_after)}
-
-
-
-def _context_length(path: Path) -> int:
-    try:
-        cfg = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return 32768
-    for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
-        if isinstance(cfg.get(key), int):
-            return cfg[key]
-    return 32768
-
-
-def _download(repo: str) -> Path:
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(repo, allow_patterns=["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]))
 
 
 Ingress = serve.deployment(serve.ingress(api)(Ingress), name="Ingress")

@@ -10,7 +10,7 @@ import numpy as np
 
 from mlx_worker.memory.decode_kv import DecodeStaging
 from mlx_worker.memory.kv_pool import KVPool
-from mlx_worker.models.model_caches import LayerSpec
+from mlx_worker.memory.model_caches import LayerSpec
 from mlx_worker.request import SamplingParams, Sequence
 
 LAYERS, HEADS, DIM, PAGE = 8, 4, 32, 16

@@ -287,3 +287,32 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on():
     assert st["failed_steps"] >= 1 and st["kv_pages_used"] == 0 and st["running"] == 0
     assert eng.error is None
     eng.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_that_fails_when_its_results_are_read_fails_its_requests(overlap):
+    """A step can also fail when its results are read (the device's error surfaces at
+    the wait, not at the launch): its requests end with an engine error, not left
+    running on a step that never finished, and the engine serves on."""
+    model = make_tiny_model("llama")
+    eng = Engine(EngineConfig(max_total_tokens=2048, overlap=overlap), model=model)
+    finalize, calls = eng.worker.finalize, []
+
+    def fails_once(step):  # the fault injected: the real device does not fail on demand
+        calls.append(step)
+        if len(calls) == 2:
+            raise RuntimeError("device lost the step")
+        return finalize(step)
+
+    eng.worker.finalize = fails_once
+
+    async def main():
+        failed = await asyncio.wait_for(collect(eng, req("a", rand_prompt(20, 1), 8)), 60)
+        return failed, await asyncio.wait_for(collect(eng, req("b", rand_prompt(25, 3), 8)), 60)
+
+    (_, out), (toks, last) = asyncio.run(main())
+    assert out.finish_reason == "error" and out.error_code == "engine_error" and "device lost the step" in out.error
+    assert toks == reference_greedy(model, rand_prompt(25, 3), 8) and last.finish_reason == "length"
+    st = eng.stats()
+    assert st["failed_steps"] == 1 and st["kv_pages_used"] == 0 and st["running"] == 0 and eng.error is None
+    eng.shutdown()

@@ -279,6 +279,7 @@ def test_a_replica_over_its_queue_wait_refuses_with_429_and_retry_after(served):
         r = httpx.post(f"{url}/messages", timeout=60,
                        json={"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        assert r.json()["type"] == "error"  # Anthropic's shape, under the app's route prefix too
         assert long.result().status_code == 200 and long.result().json()["usage"]["completion_tokens"] == 4
     st = stats()
     # Each request was offered twice: the ingress tries another replica after a refusal, and

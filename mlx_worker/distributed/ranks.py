@@ -6,8 +6,9 @@ engine loop; the forwards' collectives go over mx.distributed (`ring` over TCP, 
 `jaccl` over Thunderbolt RDMA). Rank 0 (the leader) owns the requests. The other ranks
 (followers) replay its schedule: the scheduler, page manager and prefix cache are
 deterministic, so a follower needs only what the leader's loop took in on each
-iteration (requests added, with their sampling seeds, and aborts), which the leader
-sends over a TCP side channel before it builds that iteration's step. Sampling needs no
+iteration (requests added, with their sampling seeds, aborts, the step cost fit that
+sizes steps in time, and stop), which the leader sends over a TCP side channel before it
+builds that iteration's step. Sampling needs no
 exchange: after the forward's last collective the logits are the same on every rank,
 and a sample is a function of (logits, seed, step).
 """

@@ -5,7 +5,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ..models.model_caches import LayerSpec
+from .model_caches import LayerSpec
 
 STATELESS_PAGES = 65536  # pages of a model without attention layers (no KV to hold)
 

@@ -5,7 +5,7 @@ from typing import Dict, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..models.model_caches import CacheTree
+from .model_caches import CacheTree
 from .kv_pool import KVPool
 
 

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from ..models.model_caches import StateSpec
+from .model_caches import StateSpec
 
 Batch = Tuple[Tuple[Optional[mx.array], ...], ...]  # [state layer][entry] arrays (B, ...)
 

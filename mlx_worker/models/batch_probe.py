@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from ..memory.kv_pool import KVPool
-from .model_caches import CacheTree
+from ..memory.model_caches import CacheTree
 from ..memory.paged_cache import BatchLayout, forward_caches
 from ..memory.recurrent_state import RecurrentStates, RowState
 

@@ -1,5 +1,5 @@
-"""The HTTP surface in one namespace: each API lives in its own module (chat_api,
-completions_api, ...) around what they share (openai_common, errors)."""
+"""The HTTP surface in one namespace: each API lives in its own module (chat,
+completions, ...) around what they share (openai_common, errors)."""
 
 from .chat import *  # noqa: F401,F403
 from .completions import *  # noqa: F401,F403

@@ -49,7 +49,7 @@ DEFAULT_PAGE_SIZE = 16  # == mlx_worker.memory.paging.PAGE_SIZE (not imported: s
 class PrefixAffinityConfig(BaseModel):
     """`request_router_kwargs` of `PrefixAffinityRouter` (unknown keys are an error)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     page_weight: float = Field(1.0, ge=0)
     """Score per matched (cached) prefix page."""

@@ -11,7 +11,7 @@ picks a replica:
 - unless that group is much busier than another: its requests in flight per unit of
   weight (by default: per replica) exceed the least busy group's by more than
   `imbalance_threshold` and `imbalance_ratio` times (the router's own test,
-  `router.imbalanced`); then, and for a prompt no group has
+  `prefix_policy.imbalanced`); then, and for a prompt no group has
   seen, the least busy group takes it (ties: the one furthest below its share of the
   recent requests, so new prefixes spread by weight even when nothing is queued).
 """
