@@ -382,6 +382,8 @@ class Engine:
                 if out is not None:  # never scheduled: the followers need not know
                     outputs.append(out)
                     continue
+                timeout = seq.timeout_s or self.config.request_timeout_s
+                seq.deadline = time.perf_counter() + timeout if timeout else None
                 out = self.scheduler.add(seq)
                 arg = (arg[0], seq.seed)
             elif cmd == "abort":
@@ -390,6 +392,10 @@ class Engine:
                 applied.append((cmd, arg))
             if out is not None:
                 outputs.append(out)
+        urgent = self.budget.at_risk(s for s in self.scheduler.running if s.next_input is not None)
+        if self.ranks and urgent != self.budget.urgent:
+            applied.append(("urgent", urgent))  # the followers' sequences have no deadlines
+        self.budget.urgent = urgent
         if self.ranks:
             coef = self.budget.cost.coef
             if coef is not None and (self._sent_coef is None or (coef != self._sent_coef).any()):
@@ -414,6 +420,8 @@ class Engine:
                 self.scheduler.abort(*arg)
             elif cmd == "cost":
                 self.budget.cost.coef = np.array(arg)
+            elif cmd == "urgent":
+                self.budget.urgent = arg
             elif cmd == "stop":
                 self._stop.set()
         if applied:

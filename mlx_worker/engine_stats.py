@@ -90,5 +90,6 @@ class EngineStats:
                 "step_s_p50": q(times, 0.5), "step_s_p99": q(times, 0.99),
                 "mixed_step_s_p50": q(mixed, 0.5), "mixed_step_s_p99": q(mixed, 0.99),
                 "prefill_tokens_per_step_p50": q(chunks, 0.5), "prefill_tokens_per_step_max": max(chunks, default=None),
-                "token_gap_target_s": engine.budget.last_gap_s, "token_gap_s": engine.admission.gap_s,
+                "token_gap_target_s": engine.budget.last_gap_s,
+                "decode_only_steps_for_deadlines": engine.budget.num_urgent_steps, "token_gap_s": engine.admission.gap_s,
                 "step_cost": engine.budget.cost.describe()}

@@ -90,6 +90,7 @@ class Sequence:
     branch_point: int = 0  # where its prompt leaves an earlier one's cached pages: snapshot there
     num_work: int = 0  # tokens run through the model for it, recomputation included
     timeout_s: Optional[float] = None  # Request.timeout_s
+    deadline: Optional[float] = None  # perf_counter time its client gives up (set on admission; the leader's only)
     uncached_estimate: Optional[int] = None  # tokens to compute, as the prefix cache stood at arrival (admission.py)
 
     def __post_init__(self):

@@ -72,6 +72,31 @@ def test_a_step_with_decode_rows_is_sized_to_the_gap():
     assert StepBudget(2048, min_prefill_tokens=64).room(0, 0).prefill(0, 5000) == 64
 
 
+def test_a_request_at_risk_of_its_deadline_gets_decode_only_steps():
+    """A decoding request that would miss its deadline at the pace of steps carrying
+    prefill, but not at decode-only pace, makes steps decode-only until it is done; one
+    with time to spare, or one that would miss it anyway, holds no prefill up."""
+    from mlx_worker.request import Sequence
+
+    cost = fitted()
+    cost.refit()
+    budget = StepBudget(2048, min_prefill_tokens=256, cost=cost)
+
+    def row(deadline_in, left):
+        seq = Sequence.from_request(Request(rid="r", prompt_ids=list(range(100)),
+                                            params=SamplingParams(max_tokens=left)), 16)
+        seq.num_computed, seq.deadline = 100, 1000.0 + deadline_in
+        return seq
+
+    decode_s = true_time(shape_of([100], []))  # ~0.08 s a decode-only step; ~1.1 s with 256 prompt tokens
+    assert budget.at_risk([row(20 * decode_s, 10)], now=1000.0)  # 10 tokens: fits only decode-only
+    assert not budget.at_risk([row(1000, 10)], now=1000.0)  # time to spare
+    assert not budget.at_risk([row(5 * decode_s, 10)], now=1000.0)  # lost whatever the steps carry
+    budget.urgent = True
+    assert budget.room(1, 100).prefill(0, 5000) == 0 and budget.room(0, 0).prefill(0, 5000) == 2048
+    assert not StepBudget(2048, cost=cost, timed=False).at_risk([row(20 * decode_s, 10)], now=1000.0)
+
+
 @pytest.fixture(scope="module")
 def model():
     return make_tiny_model("llama")

@@ -11,11 +11,13 @@ CPU that is tens of ms) stays small beside its work. A step without decode rows 
 at most, so that they are measured within the first second or so.
 """
 
-from typing import Optional
+import time
+from typing import Iterable, Optional
 
 from .step_cost import StepCost, StepShape
 
 TOKEN_GAP_FACTOR = 3.0
+URGENCY_MARGIN = 1.5  # a request is at risk when steps with prefill would bring its end this close to its deadline
 
 
 class StepRoom:
@@ -54,13 +56,39 @@ class StepBudget:
         self.min_prefill_tokens = min_prefill_tokens
         self.cost = cost or StepCost()
         self.last_gap_s: Optional[float] = None  # the target of the last step with decode rows
+        self.urgent = False  # a decoding request would miss its deadline at the pace of steps with prefill
+        self.num_urgent_steps = 0
 
     def room(self, decode_rows: int, decode_context: int) -> StepRoom:
         shape = StepShape()
         shape.add_decode(decode_rows, decode_context)
         gap, tokens = None, self.max_batched_tokens - decode_rows
+        if self.urgent and decode_rows:  # decode only, until the requests at risk are done
+            self.num_urgent_steps += 1
+            return StepRoom(0, self.cost, shape, None, self.min_prefill_tokens)
         if self.timed and self.cost.coef is None:  # small steps until costs are measured: soon, and never long
             tokens = min(tokens, self.min_prefill_tokens)
         elif decode_rows and self.timed:
             gap = self.last_gap_s = self.max_token_gap_s or TOKEN_GAP_FACTOR * self.cost.predict(shape)
         return StepRoom(tokens, self.cost, shape, gap, self.min_prefill_tokens)
+
+    def at_risk(self, decoding: Iterable, now: Optional[float] = None) -> bool:
+        """Whether a decoding request (`decoding`: Sequences with a deadline, or None) would
+        miss its deadline at the pace of steps that carry prefill, but not at the pace of
+        decode-only steps: then steps carry no prefill until it is done, so an admitted
+        request is never made late by the prompts admitted after it. One it would miss
+        anyway holds nothing up."""
+        rows = [s for s in decoding if s.deadline is not None]
+        if not self.timed or self.cost.coef is None or not rows:
+            return False
+        now = time.perf_counter() if now is None else now
+        shape = StepShape()
+        shape.add_decode(len(rows), sum(s.num_computed for s in rows))
+        decode_s = self.cost.predict(shape)
+        shape.add_prefill(0, self.min_prefill_tokens)
+        mixed_s = max(self.cost.predict(shape), self.max_token_gap_s or TOKEN_GAP_FACTOR * decode_s)
+        for s in rows:
+            left = max(0, s.params.max_tokens - s.num_scheduled_output)
+            if left * decode_s <= s.deadline - now < URGENCY_MARGIN * left * mixed_s:
+                return True
+        return False
