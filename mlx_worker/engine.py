@@ -382,7 +382,7 @@ class Engine:
                 if out is not None:  # never scheduled: the followers need not know
                     outputs.append(out)
                     continue
-                timeout = seq.timeout_s or self.config.request_timeout_s
+                timeout = self.admission.timeout_of(seq)
                 seq.deadline = time.perf_counter() + timeout if timeout else None
                 out = self.scheduler.add(seq)
                 arg = (arg[0], seq.seed)

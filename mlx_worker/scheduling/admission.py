@@ -147,12 +147,16 @@ class Admission:
             return None
         return max(prefill_tokens * per_token, slot_wait) + self.output_tokens(max_tokens) * gap
 
+    def timeout_of(self, request) -> Optional[float]:
+        """A Request's or Sequence's timeout: its client's, else the server's default."""
+        return request.timeout_s or self.request_timeout_s
+
     def refuse_early(self, request: Request, stats: dict) -> Optional[RequestOutput]:
         """A refusal decided in the caller's thread, before the request reaches the engine
         loop (which takes it only between steps): when, as of the last step (`stats`),
         requests are ahead of it and even a lower bound of its completion (the prompts
         queued, none of its own) is past its timeout. None: the engine decides."""
-        timeout = request.timeout_s or self.request_timeout_s
+        timeout = self.timeout_of(request)
         if timeout is None or not (stats["running"] or stats["waiting"]):
             return None
         predicted = self._estimate(stats["queued_prefill_tokens"], 0.0, request.params.max_tokens)
@@ -200,7 +204,7 @@ class Admission:
 
     def refuse(self, seq: Sequence, scheduler: Scheduler) -> Optional[RequestOutput]:
         """The refusal of `seq` when it could not finish within its timeout; None: admit it."""
-        timeout = seq.timeout_s or self.request_timeout_s
+        timeout = self.timeout_of(seq)
         if timeout is None:
             return None
         model = self.predict(seq, scheduler)
