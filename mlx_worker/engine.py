@@ -208,7 +208,7 @@ class Engine:
         """What peak memory should stay within: weights + pool + staging + activations."""
         return {"weights_bytes": weights, "kv_pool_bytes": self.pool.nbytes,
                 "recurrent_state_budget_bytes": self.state_budget_bytes,
-                "decode_staging_budget_bytes": self.worker.staging.max_bytes,
+                "decode_staging_budget_bytes": self.worker.kv.staging.max_bytes,
                 "activation_budget_bytes": self.activation_bytes}
 
     @property

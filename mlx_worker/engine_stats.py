@@ -53,9 +53,9 @@ class EngineStats:
             "preemptions": sched.num_preemptions,
             "steps": engine.num_steps,
             "failed_steps": engine.num_failed_steps,
-            "decode_steps_staged": worker.staging.num_staged,
-            "decode_steps_gathered": worker.staging.num_gathered,
-            "decode_steps_restaged": worker.staging.num_restaged,  # of the staged: new arrays, all rows copied in
+            "decode_steps_staged": worker.kv.staging.num_staged,
+            "decode_steps_gathered": worker.kv.staging.num_gathered,
+            "decode_steps_restaged": worker.kv.staging.num_restaged,  # of the staged: new arrays, all rows copied in
             "queued_prefill_tokens": (queued := sched.queued_prefill_tokens()),
             "queue_wait_s": engine.admission.wait_s(queued),  # the queued prefill at the measured rate; None: not yet
             "refused_overloaded": engine.admission.num_refused + engine.admission.num_refused_early,

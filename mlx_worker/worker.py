@@ -8,11 +8,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .memory.decode_kv import DecodeStaging
 from .memory.kv_pool import KVPool
 from .memory.model_caches import CacheTree
-from .memory.paged_cache import BatchLayout, forward_caches
-from .memory.recurrent_state import RecurrentStates, RowState
+from .memory.step_kv import StepKV
 from .models.batch_probe import RAGGED, RAGGED_HEAD_GROUPS, UNIFORM
 from .models.output_head import split_output_head
 from .request import Sequence
@@ -49,20 +47,18 @@ class Worker:
     earlier forward's pool read is pending copies the whole layer array (every layer,
     every step: the whole pool). `finalize` returns a step's tokens as ints.
 
-    Recurrent layers read each row's state from its sequence and leave the new state
-    there (recurrent_state.py); a prefill chunk that ends on a page boundary leaves a
-    snapshot of it for the prefix cache (state_snapshots.py). A model whose code cannot
-    take rows at different positions (batch_probe.py) gets one forward per position.
+    What each forward reads and writes of KV memory (pages, the staged decode batch,
+    recurrent state and its snapshots) comes from one place, `self.kv` (step_kv.py). A
+    model whose code cannot take rows at different positions (batch_probe.py) gets one
+    forward per position.
     """
 
     def __init__(self, model, pool: KVPool, tree: CacheTree, vocab_size: int, stop_ids: List[int],
                  staging_bytes: int = 0, snapshots=None, batching: str = RAGGED, scratch_bytes: int = 0):
         self.model = model
-        self.tree = tree
-        self.states = RecurrentStates(tree.states)
-        self.snapshots = snapshots  # state_snapshots.StateSnapshots of a model with recurrent layers
         self.batching = batching
-        self.staging = DecodeStaging(pool, 0 if batching == UNIFORM else staging_bytes, scratch_bytes)
+        self.kv = StepKV(pool, tree, 0 if batching == UNIFORM else staging_bytes, scratch_bytes, snapshots,
+                         head_groups=batching == RAGGED_HEAD_GROUPS)
         self.split = split_output_head(model)  # None: full logits, then slice
         # A pipeline stage sends its hidden states on inside the forward: a chunk that
         # samples nothing must still be run to its end, or the next stage waits forever.
@@ -79,24 +75,20 @@ class Worker:
 
     def launch(self, plan: StepPlan) -> InFlightStep:
         last_logits = []
-        if plan.decode:
-            staged = None
-            if self.batching == UNIFORM:  # rows at one position share a forward
-                plan.decode = sorted(plan.decode, key=lambda row: row[1])
-                groups = [list(g) for _, g in itertools.groupby(plan.decode, key=lambda row: row[1])]
-            else:
-                plan.decode, staged = self.staging.stage(plan.decode, self._dispatch)  # rows in slot order
-                groups = [plan.decode]
-            for rows in groups:
-                seqs = [s for s, _ in rows]
-                inputs = mx.concatenate([s.next_input for s in seqs])[:, None]
-                layout = self._layout([s.pages for s in seqs], [p for _, p in rows], 1)
-                logits, states = self._forward(inputs, seqs, layout, staged)
-                logits = logits[:, -1, :]
-                self._dispatch(logits, *states, *(staged.arrays() if staged else ()))
-                last_logits.append(logits)
+        staged = None
+        if self.batching == UNIFORM:  # rows at one position share a forward
+            plan.decode = sorted(plan.decode, key=lambda row: row[1])
+            groups = [list(g) for _, g in itertools.groupby(plan.decode, key=lambda row: row[1])]
         else:
-            self.staging.reset()
+            plan.decode, staged = self.kv.decode_rows(plan.decode, self._dispatch)  # rows in staging order
+            groups = [plan.decode] if plan.decode else []
+        for rows in groups:
+            seqs = [s for s, _ in rows]
+            inputs = mx.concatenate([s.next_input for s in seqs])[:, None]
+            logits, kv_arrays = self._forward(inputs, seqs, [p for _, p in rows], 1, staged)
+            logits = logits[:, -1, :]
+            self._dispatch(logits, *kv_arrays)
+            last_logits.append(logits)
         # Prefill chunks of equal length share one forward (rows may start anywhere).
         groups: Dict[tuple, list] = {}
         for chunk in plan.prefills:
@@ -105,11 +97,11 @@ class Worker:
         prefill_logits, scored, embedded = {}, [], []
         for (L, _), chunks in groups.items():
             inputs = mx.array([c.seq.tokens[c.start : c.start + L] for c in chunks])
-            layout = self._layout([c.seq.pages for c in chunks], [c.start for c in chunks], L)
-            out, states = self._forward(inputs, [c.seq for c in chunks], layout, body_only=bool(self.split))
+            out, kv_arrays = self._forward(inputs, [c.seq for c in chunks], [c.start for c in chunks], L,
+                                           body_only=bool(self.split), prefill_ends=[c.start + L for c in chunks])
             ends = {id(c): out[i : i + 1, -1, :] for i, c in enumerate(chunks) if c.samples}
             prompt, pooled = self._score_prompt(chunks, out), self._pool(chunks, out)
-            self._dispatch(*ends.values(), *states, *self._snapshot(chunks), *(v for _, v in pooled),
+            self._dispatch(*ends.values(), *kv_arrays, *(v for _, v in pooled),
                            *(a for p in prompt for a in p[2:] if a is not None), *([out[:, -1]] if self.pipelined else []))
             prefill_logits.update(ends)
             scored += prompt
@@ -139,25 +131,16 @@ class Worker:
         self._unfinished = step
         return step
 
-    def _layout(self, page_tables, offsets, L: int) -> BatchLayout:
-        return BatchLayout(page_tables, offsets, L, self.pool.page_size, self.batching == RAGGED_HEAD_GROUPS)
-
-    def _forward(self, inputs: mx.array, seqs: List[Sequence], layout: BatchLayout, staged=None,
-                 body_only: bool = False) -> Tuple[mx.array, List[mx.array]]:
-        """One forward of `seqs`' rows: its logits (hidden states if `body_only`) and
-        the recurrent states it leaves in the sequences (still lazy)."""
-        state_caches = self.states.caches([s.state for s in seqs]) if self.states else []
-        caches = forward_caches(self.tree, self.pool, layout, state_caches, staged)
+    def _forward(self, inputs: mx.array, seqs: List[Sequence], offsets: List[int], L: int, staged=None,
+                 body_only: bool = False, prefill_ends=()) -> Tuple[mx.array, List[mx.array]]:
+        """One forward of `seqs`' rows, each feeding `L` tokens from its offset: its logits
+        (hidden states if `body_only`) and the KV memory arrays it leaves (still lazy)."""
+        kv = self.kv.forward(seqs, offsets, L, staged)
         t, c = time.perf_counter(), time.thread_time()
-        out = self.split[0](inputs, caches) if body_only else self.model(inputs, cache=caches)
+        out = self.split[0](inputs, kv.caches) if body_only else self.model(inputs, cache=kv.caches)
         self.build_s += time.perf_counter() - t
         self.build_cpu_s += time.thread_time() - c
-        if not state_caches:
-            return out, []
-        batch = RecurrentStates.collect(state_caches)
-        for i, seq in enumerate(seqs):
-            seq.state = RowState(batch, i)
-        return out, RecurrentStates.arrays(batch)
+        return out, kv.done(prefill_ends)
 
     def _score_prompt(self, chunks, out: mx.array) -> List[tuple]:
         """Logprobs of the prompt tokens each chunk of a prompt-scoring request predicts
@@ -190,19 +173,6 @@ class Worker:
             pooled.append((c.seq, v / mx.maximum(mx.linalg.norm(v), 1e-12)))
         return pooled
 
-    def _snapshot(self, chunks) -> List[mx.array]:
-        """Snapshot the state of rows whose chunk ends on a page boundary."""
-        if self.snapshots is None:
-            return []
-        arrays = []
-        for c in chunks:
-            end = c.start + c.length
-            if end % self.pool.page_size == 0:
-                snap = RecurrentStates.snapshot(c.seq.state)
-                self.snapshots.put(c.seq.full_page_hashes(end // self.pool.page_size)[-1], snap)
-                arrays += RecurrentStates.arrays(snap.batch)
-        return arrays
-
     def _dispatch(self, *outputs: mx.array) -> None:
         """Hand one forward (its outputs and the pool writes it made) to the device, once
         the device has finished all earlier work, so the writes reuse the pool buffers."""
@@ -226,9 +196,7 @@ class Worker:
     def reset(self) -> None:
         """After a failed step: drop the staged batch and snapshots, wait out what was
         dispatched."""
-        self.staging.reset()
-        if self.snapshots is not None:
-            self.snapshots.reset()
+        self.kv.reset()
         try:
             self.fence()
         except Exception:  # noqa: BLE001 - the failed step's own arrays

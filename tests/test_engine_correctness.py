@@ -57,7 +57,7 @@ def test_ragged_concurrent_batch(model, overlap, decode_kv):
     eng = engine(model, overlap=overlap)
     check(model, eng, prompts(8, 3, 70, seed=1), 20)
     assert eng.stats()["kv_pages_used"] == 0
-    assert (eng.worker.staging.current is not None) == (decode_kv > 0)  # the path under test ran
+    assert (eng.worker.kv.staging.current is not None) == (decode_kv > 0)  # the path under test ran
     eng.shutdown()
 
 
@@ -125,7 +125,7 @@ def test_rows_join_and_leave_a_running_decode_batch(model, decode_kv):
     outs = asyncio.run(main())
     for p, n, (toks, _) in zip(ps, lengths, outs):
         assert toks == reference_greedy(model, p, n)
-    staging = eng.worker.staging
+    staging = eng.worker.kv.staging
     if decode_kv:
         assert staging.num_joined > len(ps) // 2 and staging.num_moved > 0 and staging.num_gathered == 0
     else:
@@ -141,7 +141,7 @@ def test_batch_is_restaged_smaller_rather_than_gathered_under_a_tight_cap(model,
     if not decode_kv:
         pytest.skip("staging is off")
     eng = engine(model, max_total_tokens=8192)
-    staging = eng.worker.staging
+    staging = eng.worker.kv.staging
     staging.max_bytes = staging.bytes_per_position * 10 * 200
     long, shorts = prompts(1, 150, 151, seed=9)[0], prompts(9, 12, 13, seed=10)
 
