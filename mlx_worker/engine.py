@@ -392,6 +392,9 @@ class Engine:
                 applied.append((cmd, arg))
             if out is not None:
                 outputs.append(out)
+        for out in self.admission.withdraw(self.scheduler):
+            outputs.append(out)
+            applied.append(("abort", (out.rid, False)))  # the followers hold it too
         urgent = self.budget.at_risk(s for s in self.scheduler.running if s.next_input is not None)
         if self.ranks and urgent != self.budget.urgent:
             applied.append(("urgent", urgent))  # the followers' sequences have no deadlines

@@ -58,7 +58,9 @@ class EngineStats:
             "decode_steps_restaged": worker.kv.staging.num_restaged,  # of the staged: new arrays, all rows copied in
             "queued_prefill_tokens": (queued := sched.queued_prefill_tokens()),
             "queue_wait_s": engine.admission.wait_s(queued),  # the queued prefill at the measured rate; None: not yet
-            "refused_overloaded": engine.admission.num_refused + engine.admission.num_refused_early,
+            "refused_overloaded": engine.admission.num_refused + engine.admission.num_refused_early
+            + engine.admission.num_withdrawn,
+            "withdrawn_overloaded": engine.admission.num_withdrawn,
             "tokens_computed": sched.tokens_computed,
             "tokens_wasted": sched.tokens_wasted,  # computed for requests then aborted (client gone) or failed
             "host_ms_per_step": 1e3 * engine._host_s / steps,

@@ -130,6 +130,39 @@ def test_a_request_that_would_make_an_admitted_one_late_is_refused():
     assert admission.num_refused == 1
 
 
+def test_a_taken_request_that_can_no_longer_finish_is_withdrawn_before_any_work():
+    """A prediction gone wrong after admission: the request queued behind more prefill
+    than its deadline leaves room for, and not yet started, is refused (overloaded, with
+    a Retry-After) and leaves the queue; one that still fits, or one already started,
+    stays."""
+    sched = Scheduler(PageManager(1024, 16), set(), max_running=8, max_batched_tokens=512)
+    admission = measured(Admission())
+    now = time.perf_counter()
+    first, second, third = (seq(r, 300, i, timeout_s=100) for i, r in enumerate(["first", "second", "third"]))
+    for s in (first, second, third):
+        assert sched.add(s) is None
+    scale, gap = admission.calibration, admission.gap_s
+    ends = [now + scale * (300 * (i + 1) * 0.01 + 4 * gap) for i in range(3)]
+    first.deadline, second.deadline, third.deadline = ends[0] + 60, ends[1] + 60, ends[2] - 1
+    assert admission.withdraw(sched) and sched.waiting == [first, second]  # the third: past its deadline
+    started = sched.waiting[1]
+    started.deadline = now  # past due, but already started: its work is spent, it is not withdrawn
+    started.num_preemptions = 1
+    assert admission.withdraw(sched) == [] and len(sched.waiting) == 2
+    assert admission.num_withdrawn == 1
+
+
+def test_a_withdrawal_is_a_refusal_with_when_to_retry():
+    sched = Scheduler(PageManager(1024, 16), set(), max_running=8, max_batched_tokens=512)
+    admission = measured(Admission())
+    late = seq("late", 500, 1, timeout_s=10)
+    assert sched.add(late) is None
+    late.deadline = time.perf_counter() + 1  # 5 s of prefill alone: it cannot make it
+    [out] = admission.withdraw(sched)
+    assert out.rid == "late" and out.finished and out.finish_reason == "error" and out.error_code == "overloaded"
+    assert "10 s timeout" in out.error and out.retry_after_s >= 1 and not sched.waiting and "late" not in sched.by_rid
+
+
 def test_an_engine_refuses_what_it_cannot_finish_and_serves_what_it_took(model):
     """Once steps are measured, long prompts with a patient client are taken, prefilled 8
     tokens a step; a request arriving while they run would finish long after its 50 ms:

@@ -22,6 +22,13 @@ prompts' chunks ride in the steps that carry its tokens), and a request whose pr
 would push an admitted one past its own deadline is refused, however well it would
 itself fit. The calibration is measured against the pushed predictions.
 
+A prediction can still go wrong after the fact (a burst of long prompts ahead of the
+decode rows, steps kept decode-only for requests at risk). A request taken but not yet
+started that, predicted as at admission, would now end past its client's whole timeout
+(not only SAFETY of it) is withdrawn: refused with `overloaded` and a Retry-After, as
+it would have been on arrival, before any work is spent on it, instead of being
+computed for a client that has given up (`withdraw`).
+
 A request with nothing queued or running ahead of it is always taken: no wait would
 make it faster. Until steps are measured, others are taken only while the prompts
 queued, with theirs, fit one step's token budget (a burst of short requests on a fresh
@@ -33,7 +40,7 @@ are prefilled in arrival order, and every step advances every decoding row.
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -80,6 +87,7 @@ class Admission:
         self.accuracy: deque = deque(maxlen=256)  # recent completions / the (calibrated) predictions acted on
         self.num_refused = 0  # by the engine loop
         self.num_refused_early = 0  # in callers' threads (refuse_early)
+        self.num_withdrawn = 0  # taken, then refused before any work (withdraw)
 
     # --- what the engine measures ------------------------------------------------------
     def observe(self, seconds: float, prefill_tokens: int, decode_rows: int) -> None:
@@ -230,6 +238,34 @@ class Admission:
         else:
             message, retry = self._refusal_message(predicted, timeout), predicted - allowed
         return self._refusal(seq, scheduler, message, retry)
+
+    def withdraw(self, scheduler: Scheduler) -> List[RequestOutput]:
+        """Refusals of the waiting requests, not started yet, that would now end past their
+        deadlines (the client's whole timeout), in queue order: each is predicted behind
+        the prefill queued ahead of it."""
+        if self.seconds_per_token is None or self._gap_s is None:
+            return []
+        now, scale, per_token = time.perf_counter(), self.calibration, self.seconds_per_token
+        ahead = sum(s.num_tokens - s.num_computed for s in scheduler.running if s.next_input is None)
+        late = []
+        for seq in scheduler.waiting:
+            ahead += scheduler.uncached_tokens(seq)
+            if seq.deadline is None or seq.pages or seq.num_preemptions:
+                continue  # started once: its work is done already
+            ends = now + scale * (ahead * per_token + self.output_tokens(seq.params.max_tokens) * self._gap_s)
+            if ends > seq.deadline:
+                late.append((seq, ends))
+        outputs = []
+        for seq, ends in late:
+            promise = self._admitted.pop(seq.rid, None)
+            timeout = promise.timeout_s if promise else self.timeout_of(seq)
+            message = (f"the server is overloaded: this request, taken {now - (seq.deadline - timeout):.0f} s ago, "
+                       f"would now finish past its {timeout:g} s timeout; retry later")
+            self.num_withdrawn += 1
+            out = scheduler.withdraw(seq, message, "overloaded")
+            out.retry_after_s = max(1.0, ends - now - SAFETY * timeout)
+            outputs.append(out)
+        return outputs
 
     def _refusal(self, seq: Sequence, scheduler: Scheduler, message: str, retry_after_s: float) -> RequestOutput:
         self.num_refused += 1

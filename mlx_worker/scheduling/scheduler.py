@@ -75,6 +75,11 @@ class Scheduler:
         seq.status = Status.FINISHED
         return self._output(seq, [], "error", message, code=code)
 
+    def withdraw(self, seq: Sequence, message: str, code: str) -> RequestOutput:
+        """End a waiting request before any of its work: the error output that tells its client."""
+        self._finish(seq, "error")
+        return self._output(seq, [], "error", message, code=code)
+
     def abort(self, rid: str, wasted: bool = True) -> Optional[RequestOutput]:
         """End a request early: its client left (its work is wasted), or it already has
         what it needs (a stop string matched)."""
