@@ -35,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_worker  # noqa: E402  (OpenBLAS before mlx on Linux)
 import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
 from mlx_lm import stream_generate  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
 from mlx_worker.models.loader import load_model  # noqa: E402
+from common import pct  # noqa: E402
 from traffic import Arrival, Trace, full_batch_itl, prompts, schedule, summarize  # noqa: E402  (benchmarks/traffic.py)
 from random_models import CONFIGS as RANDOM_CONFIGS, random_model  # noqa: E402
 
@@ -308,7 +308,7 @@ def run_budget(model, tokenizer, pool, args):
         trace = engine_schedule(engine, sched, f"budget-{budget}")
         engine.shutdown()
         s, gaps = summarize(trace), [y - x for t in trace.tokens for x, y in zip(t, t[1:])]
-        res[budget] = {**s, "gap_p99": float(np.percentile(gaps, 99))}
+        res[budget] = {**s, "gap_p99": pct(gaps, 0.99)}
         print(f"{budget:<14}{s['tok_s']:>8.1f}{1e3 * s['ttft_p50']:>13.0f}{1e3 * s['itl_p50']:>12.0f}"
               f"{1e3 * res[budget]['gap_p99']:>8.0f}{1e3 * s['itl_max']:>8.0f}{s['span']:>8.1f}")
     t, k = res["time"], res["tokens"]

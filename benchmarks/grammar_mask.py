@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_worker  # noqa: E402,F401  (OpenBLAS before mlx on Linux)
 import numpy as np  # noqa: E402
+from common import pct  # noqa: E402  (benchmarks/common.py)
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
 from mlx_worker.sampling import grammar  # noqa: E402
@@ -71,7 +72,7 @@ def main():
     ms = np.array(mask_times) * 1e6
     steps = len(ms) / args.requests
     print(f"\n## Grammar mask cost (JSON schema, {args.requests} requests, vocab {engine.vocab_size})")
-    print(f"mask per request-step: mean {ms.mean():.0f} us, p50 {np.median(ms):.0f} us, p99 {np.percentile(ms, 99):.0f} us ({len(ms)} masks, ~{steps:.0f} steps)")
+    print(f"mask per request-step: mean {ms.mean():.0f} us, p50 {pct(ms, 0.5):.0f} us, p99 {pct(ms, 0.99):.0f} us ({len(ms)} masks, ~{steps:.0f} steps)")
     step_ms = args.requests / free * 1e3
     print(f"decode: free {free:.1f} tok/s, constrained {constrained:.1f} tok/s ({constrained / free:.2f}x); "
           f"masks take {ms.mean() * args.requests / 1e3 / step_ms * 100:.2f}% of a {step_ms:.0f} ms step")

@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import mlx_worker  # noqa: E402,F401  (OpenBLAS before mlx on Linux)
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
+from common import pct  # noqa: E402  (benchmarks/common.py)
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica  # noqa: E402
@@ -340,9 +341,7 @@ def summarize(policy, recs, where, before, after, replicas) -> Dict[str, Any]:
         "policy": policy,
         "n": len(recs), "ok": len(ok), "errors": errors[:3], "num_errors": len(errors),
         "hit_rate": cached / prompt if prompt else float("nan"),
-        "ttft_p50": float(np.percentile(ttft, 50)) if len(ttft) else float("nan"),
-        "ttft_p99": float(np.percentile(ttft, 99)) if len(ttft) else float("nan"),
-        "lat_p50": float(np.percentile(lat, 50)) if len(lat) else float("nan"),
+        "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "lat_p50": pct(lat, 0.5),
         "req_s": len(ok) / span, "tok_s": sum(r["completion"] for r in ok) / span,
         "prompt_tok_s": prompt / span,
         "load": load, "load_logged": sum(load),

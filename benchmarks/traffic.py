@@ -3,9 +3,9 @@ Poisson arrival schedule, and per-request token timestamps summarized as tok/s, 
 
 import random
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Tuple
 
-import numpy as np
+from common import pct  # benchmarks/common.py
 
 
 def token_ids(rng: random.Random, length: int) -> List[int]:
@@ -36,10 +36,6 @@ def schedule(n: int, rate: float, prompt_lens: Tuple[int, int], output_lens: Tup
     return out
 
 
-def pct(xs: Sequence[float], q: float) -> float:
-    return float(np.percentile(xs, q)) if len(xs) else float("nan")
-
-
 @dataclass
 class Trace:
     """One run of a schedule: absolute (perf_counter) arrival time and token timestamps
@@ -65,8 +61,8 @@ def summarize(trace: Trace) -> dict:
     return {
         "tokens": sum(len(t) for _, t in done),
         "tok_s": sum(len(t) for _, t in done) / span,
-        "ttft_p50": pct(ttft, 50), "ttft_p95": pct(ttft, 95),
-        "itl_p50": pct(itl, 50), "itl_p95": pct(itl, 95), "itl_max": max(itl, default=float("nan")),
+        "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95),
+        "itl_p50": pct(itl, 0.5), "itl_p95": pct(itl, 0.95), "itl_max": max(itl, default=float("nan")),
         "in_flight": sum(t[-1] - a for a, t in done) / span,
         "span": span,
     }
