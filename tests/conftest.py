@@ -51,3 +51,9 @@ def default_tokenizer():
 
         _TOKENIZER.append(load_tokenizer(default_model_path()))
     return _TOKENIZER[0]
+
+
+def pytest_collection_modifyitems(items):
+    """The modules that share one local Ray cluster (serve_fixtures.serving) run one after
+    another, last: the cluster starts once for them, and never idles beside the engine tests."""
+    items.sort(key=lambda item: hasattr(item.module, "serving"))

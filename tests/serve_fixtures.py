@@ -1,4 +1,5 @@
-"""A real local Ray cluster with the macfarm app on a tiny model, shared by a module."""
+"""A real local Ray cluster with the macfarm app on a tiny model: one shared by the modules
+that need no cluster of their own (`serving`), or a module's own."""
 
 import contextlib
 import os
@@ -30,6 +31,10 @@ def tiny_model_dir(tmp_path_factory, arch="llama", **overrides):
     return save_tiny_model(arch, tmp_path_factory.mktemp(arch), tokenizer_dir=default_model_path(), **overrides)
 
 
+SHARED_CPUS = 8  # logical: how many replicas the modules sharing the cluster may run at once
+_shared = {"base": None}  # the local cluster modules share, while it runs
+
+
 def start_serve(num_cpus=4, **ray_kw):
     """A fresh local Ray cluster with Serve's proxy on a free port; returns the base URL."""
     ray_kw.setdefault("address", "local")  # never join a cluster already running here
@@ -42,13 +47,25 @@ def start_serve(num_cpus=4, **ray_kw):
 
 
 @contextlib.contextmanager
-def serving(num_cpus=4, **ray_kw):
-    """start_serve ... stop_serve, torn down even when the module's set-up fails."""
-    base = start_serve(num_cpus, **ray_kw)
+def serving(num_cpus=SHARED_CPUS, **ray_kw):
+    """A local cluster with Serve for one module: the one modules share (started once,
+    ~12 s saved a module), whose apps the module deployed are deleted when it ends; or,
+    with Ray options of its own (`ray_kw`) or other CPUs, a cluster of its own."""
+    if ray_kw or num_cpus != SHARED_CPUS:
+        base = start_serve(num_cpus, **ray_kw)
+        try:
+            yield base
+        finally:
+            stop_serve()
+        return
+    if _shared["base"] is None or not ray.is_initialized():
+        _shared["base"] = start_serve(SHARED_CPUS)
+    before = set(serve.status().applications)
     try:
-        yield base
+        yield _shared["base"]
     finally:
-        stop_serve()
+        for name in set(serve.status().applications) - before:
+            serve.delete(name)
 
 
 def wait_healthy(base: str, timeout: float = 120) -> None:
@@ -71,6 +88,7 @@ def serve_run(config_path: Path, port: int, cwd: Path):
     `serve run` when it is interrupted, and would eat the next tests' CPU."""
     import psutil  # after ray (imported above): Ray ships psutil in ray/thirdparty_files
 
+    stop_serve()  # a cluster this process shared with earlier modules: not beside a user's
     serve_bin = str(Path(sys.executable).with_name("serve"))
     proc = subprocess.Popen([serve_bin, "run", "--address", "local", str(config_path)], cwd=cwd,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -101,6 +119,10 @@ def run_app(base: str, name: str, route: str, **args):
 
 
 def stop_serve():
+    """Serve and the Ray cluster this process joined (the shared one too)."""
+    _shared["base"] = None
+    if not ray.is_initialized():
+        return
     try:
         serve.shutdown()
     finally:

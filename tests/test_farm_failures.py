@@ -21,7 +21,7 @@ from mlx_lm import load as mlx_load
 from ray import serve
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
-from serve_fixtures import ENGINE, free_port, run_app, stop_farm, tiny_model_dir
+from serve_fixtures import ENGINE, free_port, run_app, stop_farm, stop_serve, tiny_model_dir
 
 APP = "farm"
 
@@ -96,6 +96,7 @@ class Farm:
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory):
     path = str(tiny_model_dir(tmp_path_factory))
+    stop_serve()  # the local cluster earlier modules shared: this one is the farm
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     cluster.add_node(num_cpus=1, resources={"mac": 1})  # the farm starts with one Mac
     cluster.wait_for_nodes()

@@ -16,7 +16,7 @@ JSON = {"Content-Type": "application/json"}
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     path = str(tiny_model_dir(tmp_path_factory))
-    with serving(num_cpus=2) as url:
+    with serving() as url:
         run_app(url, "fuzz", "/", model=path, model_name="tiny", engine=ENGINE, router="pow2")
         yield url
 

@@ -19,7 +19,7 @@ KEY = "sk-test"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     path = str(tiny_model_dir(tmp_path_factory))
-    with serving(num_cpus=8) as base:  # a replica takes one of Ray's CPUs: 6 replicas (tiny models)
+    with serving() as base:  # a replica takes one of Ray's 8 CPUs: 6 replicas (tiny models)
         run_app(base, "main", "/", model=path, model_name="tiny", engine=ENGINE, router="pow2", api_key=KEY)
         run_app(base, "small", "/small", model=path, model_name="tiny", engine=ENGINE, router="pow2",
                 max_ongoing_requests=1, max_queued_requests=1)
