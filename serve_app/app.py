@@ -32,6 +32,9 @@ def _groups(args: AppArgs) -> List[Tuple[str, AppArgs, Optional[float]]]:
     }), g.weight) for g in args.replica_groups]
 
 
+DRAIN_S = 30  # a stopping deployment finishes its requests in flight for this long
+
+
 def _replica_options(args: AppArgs) -> Dict[str, Any]:
     resources = ray.cluster_resources() if ray.is_initialized() else {}
     resource = args.replica_resource
@@ -50,7 +53,7 @@ def _replica_options(args: AppArgs) -> Dict[str, Any]:
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
         health_check_period_s=2,  # a dead replica (or a rank of its group) is restarted within ~6 s
-        graceful_shutdown_timeout_s=30,
+        graceful_shutdown_timeout_s=DRAIN_S,
     )
     if ranks > 1:  # rank 0 (the replica) in bundle 0, each other rank on a Mac of its own
         opts["placement_group_bundles"] = group_bundles(ranks, resource)
@@ -84,5 +87,6 @@ def compose_app(
             opts["request_router_config"] = request_router_config
         replicas[name] = MLXReplica.options(name=name, **opts).bind({**group.engine, "model": args.model})
         weights[name] = weight or opts["num_replicas"]
-    ingress = Ingress.options(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+    ingress = Ingress.options(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0},
+                              graceful_shutdown_timeout_s=DRAIN_S)  # its streams drain as long as the replicas'
     return ingress.bind(replicas, args.model_dump(), weights)

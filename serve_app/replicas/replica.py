@@ -53,6 +53,10 @@ class ReplicaMetrics:
         self.computed = Counter("macfarm_tokens_computed", description="Prompt and output tokens run through the model.")
         self.wasted = Counter("macfarm_tokens_wasted",
                               description="Of those, tokens computed for requests then aborted (client gone) or failed.")
+        self.late = Counter("macfarm_requests_late", tag_keys=("phase",),
+                            description="Requests taken that ended past their clients' deadlines, by where they "
+                                        "stood then (queued, prefill, decode): work the client gave up on.")
+        self._late_seen: Dict[str, int] = {}
         self.step_p50 = Gauge("macfarm_step_seconds_p50", description="Median step time over the last 256 steps.")
         self.step_p99 = Gauge("macfarm_step_seconds_p99", description="99th percentile step time over the last 256 steps.")
         self.chunk = Gauge("macfarm_prefill_tokens_per_step_p50",
@@ -94,6 +98,10 @@ class ReplicaMetrics:
             if delta > 0:
                 counter.inc(delta)
                 self._seen[key] = st[key]
+        for phase, n in st["late"].items():
+            if n > self._late_seen.get(phase, 0):
+                self.late.inc(n - self._late_seen.get(phase, 0), tags={"phase": phase})
+                self._late_seen[phase] = n
 
 
 class EngineReplica:
@@ -191,6 +199,8 @@ class EngineReplica:
     def _request_done(m: ReplicaMetrics, start: float, out, reason: str) -> None:
         try:
             m.requests.inc(tags={"finish_reason": reason})
+            if reason == "refused":  # no work, and answered at once: not a latency of served requests
+                return
             m.e2e.observe(time.perf_counter() - start)
             if out is not None and out.num_prompt_tokens:
                 m.prompt_tokens.inc(out.num_prompt_tokens)
