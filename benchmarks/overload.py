@@ -151,7 +151,7 @@ def main():
         st = stats(base)
         print("engine: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in st.items()
                                      if k.startswith(("step", "mixed", "prefill_tokens", "token", "completion",
-                                                      "refused", "withdrawn", "steps", "decode_only"))))
+                                                      "refused", "withdrawn", "steps", "decode_only", "late"))))
 
 
 if __name__ == "__main__":

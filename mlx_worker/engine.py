@@ -169,7 +169,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[request.rid] = (loop, sink)
-        self._commands.put(("add", (request, matcher)))
+        self._commands.put(("add", (request, matcher, time.perf_counter())))  # its deadline counts from here
         finished, held = False, None
         try:
             while not finished:
@@ -383,7 +383,8 @@ class Engine:
                     outputs.append(out)
                     continue
                 timeout = self.admission.timeout_of(seq)
-                seq.deadline = time.perf_counter() + timeout if timeout else None
+                seq.deadline = arg[2] + timeout if timeout else None
+                seq.return_s = RETURN_SHARE * (timeout or 0.0)
                 out = self.scheduler.add(seq)
                 arg = (arg[0], seq.seed)
             elif cmd == "abort":
@@ -449,6 +450,9 @@ class Engine:
                 loop.call_soon_threadsafe(_put_all, items)
 
 
+RETURN_SHARE = 0.05  # of a timeout: the hops the engine does not see (ingress to replica before it, and the
+# answer's way back to the client after it), which take seconds on a loaded box; withdrawal and decode-only steps
+# aim to end this much before the deadline
 MAX_CONSECUTIVE_FAILURES = 3  # then the loop dies and the replica reports itself unhealthy
 RANK_LOST = "a rank of this engine's group is gone: the group must restart"
 GROUP_WATCH_S = 0.5  # how often a rank checks that the others are still there

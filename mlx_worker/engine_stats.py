@@ -63,6 +63,7 @@ class EngineStats:
             "withdrawn_overloaded": engine.admission.num_withdrawn,
             "tokens_computed": sched.tokens_computed,
             "tokens_wasted": sched.tokens_wasted,  # computed for requests then aborted (client gone) or failed
+            "late": {phase: sched.late[phase] for phase in ("queued", "prefill", "decode")},  # ended past deadline
             "host_ms_per_step": 1e3 * engine._host_s / steps,
             "graph_build_ms_per_step": 1e3 * worker.build_s / steps,  # of host_ms: the model's own code
             "host_cpu_ms_per_step": 1e3 * engine._host_cpu_s / steps,  # host_ms in CPU time: no waits for a core

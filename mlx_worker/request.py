@@ -91,6 +91,7 @@ class Sequence:
     num_work: int = 0  # tokens run through the model for it, recomputation included
     timeout_s: Optional[float] = None  # Request.timeout_s
     deadline: Optional[float] = None  # perf_counter time its client gives up (set on admission; the leader's only)
+    return_s: float = 0.0  # of that time, what the answer's way back to the client is given (engine.RETURN_SHARE)
     uncached_estimate: Optional[int] = None  # tokens to compute, as the prefix cache stood at arrival (admission.py)
 
     def __post_init__(self):
@@ -110,6 +111,18 @@ class Sequence:
     @classmethod
     def from_request(cls, req: Request, page_size: int) -> "Sequence":
         return cls(req.rid, list(req.prompt_ids), req.params, len(req.prompt_ids), page_size, timeout_s=req.timeout_s)
+
+    @property
+    def due(self) -> Optional[float]:
+        """When its last token must be computed for its client to have it by the deadline."""
+        return None if self.deadline is None else self.deadline - self.return_s
+
+    @property
+    def phase(self) -> str:
+        """Where it stands: "queued" (no work yet), "prefill" or "decode"."""
+        if self.num_scheduled_output:
+            return "decode"
+        return "prefill" if self.pages or self.num_computed else "queued"
 
     @property
     def num_scheduled_output(self) -> int:

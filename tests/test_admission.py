@@ -152,6 +152,17 @@ def test_a_taken_request_that_can_no_longer_finish_is_withdrawn_before_any_work(
     assert admission.num_withdrawn == 1
 
 
+def test_a_withdrawal_leaves_the_answer_time_to_reach_its_client():
+    sched = Scheduler(PageManager(1024, 16), set(), max_running=8, max_batched_tokens=512)
+    admission = measured(Admission())
+    s = seq("s", 300, 1, timeout_s=100)
+    assert sched.add(s) is None
+    s.deadline = time.perf_counter() + admission.calibration * (300 * 0.01 + 4 * admission.gap_s) + 2
+    assert admission.withdraw(sched) == []  # its last token is predicted 2 s before the deadline...
+    s.return_s = 5  # ...but its answer needs 5 s more to reach the client
+    assert [out.rid for out in admission.withdraw(sched)] == ["s"]
+
+
 def test_a_withdrawal_is_a_refusal_with_when_to_retry():
     sched = Scheduler(PageManager(1024, 16), set(), max_running=8, max_batched_tokens=512)
     admission = measured(Admission())
@@ -191,6 +202,7 @@ def test_an_engine_refuses_what_it_cannot_finish_and_serves_what_it_took(model):
     st = eng.stats()
     assert st["refused_overloaded"] == 1 and st["queue_wait_s"] == 0 and st["kv_pages_used"] == 0
     assert st["tokens_wasted"] == 0 and st["tokens_computed"] >= 3 * 600
+    assert st["late"] == {"queued": 0, "prefill": 0, "decode": 0}  # what it took ended in time
 
     async def samples():  # n=2: each sample is a request of its own, with the client's timeout
         params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0, n=2)
@@ -199,6 +211,22 @@ def test_an_engine_refuses_what_it_cannot_finish_and_serves_what_it_took(model):
 
     outs = asyncio.run(samples())
     assert all(o.finish_reason != "error" for o in outs) and sum(len(o.token_ids) for o in outs) == 6
+    eng.shutdown()
+
+
+def test_requests_that_end_past_their_deadlines_are_counted_by_phase(model):
+    """A request with nothing ahead is always taken, even with a timeout nobody could meet;
+    ending past its deadline, it is counted late by where it stood then (decoding)."""
+    eng = Engine(EngineConfig(max_total_tokens=4096, max_batched_tokens=64), model=model)
+
+    def request(rid, timeout_s):
+        return Request(rid=rid, prompt_ids=prompt(100, 5), timeout_s=timeout_s,
+                       params=SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
+
+    hurried, _ = asyncio.run(collect(eng, request("hurried", 1e-3)))
+    patient, _ = asyncio.run(collect(eng, request("patient", 600)))
+    assert len(hurried) == len(patient) == 8
+    assert eng.stats()["late"] == {"queued": 0, "prefill": 0, "decode": 1}
     eng.shutdown()
 
 

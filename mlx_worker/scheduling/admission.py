@@ -24,10 +24,11 @@ itself fit. The calibration is measured against the pushed predictions.
 
 A prediction can still go wrong after the fact (a burst of long prompts ahead of the
 decode rows, steps kept decode-only for requests at risk). A request taken but not yet
-started that, predicted as at admission, would now end past its client's whole timeout
-(not only SAFETY of it) is withdrawn: refused with `overloaded` and a Retry-After, as
-it would have been on arrival, before any work is spent on it, instead of being
-computed for a client that has given up (`withdraw`).
+started that, predicted as at admission, would now end past when it is due (its
+client's whole timeout, not only SAFETY of it, less the answer's way back) is withdrawn:
+refused with `overloaded` and a Retry-After, as it would have been on arrival, before
+any work is spent on it, instead of being computed for a client that has given up
+(`withdraw`).
 
 A request with nothing queued or running ahead of it is always taken: no wait would
 make it faster. Until steps are measured, others are taken only while the prompts
@@ -240,9 +241,9 @@ class Admission:
         return self._refusal(seq, scheduler, message, retry)
 
     def withdraw(self, scheduler: Scheduler) -> List[RequestOutput]:
-        """Refusals of the waiting requests, not started yet, that would now end past their
-        deadlines (the client's whole timeout), in queue order: each is predicted behind
-        the prefill queued ahead of it."""
+        """Refusals of the waiting requests, not started yet, that would now end past when
+        they are due (the client's whole timeout, less the answer's way back), in queue
+        order: each is predicted behind the prefill queued ahead of it."""
         if self.seconds_per_token is None or self._gap_s is None:
             return []
         now, scale, per_token = time.perf_counter(), self.calibration, self.seconds_per_token
@@ -253,7 +254,7 @@ class Admission:
             if seq.deadline is None or seq.pages or seq.num_preemptions:
                 continue  # started once: its work is done already
             ends = now + scale * (ahead * per_token + self.output_tokens(seq.params.max_tokens) * self._gap_s)
-            if ends > seq.deadline:
+            if ends > seq.due:
                 late.append((seq, ends))
         outputs = []
         for seq, ends in late:

@@ -1,5 +1,7 @@
 """Continuous batching: admit, chunk prefills, batch decodes, preempt, finish."""
 
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -55,6 +57,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.tokens_computed = 0  # prompt and output tokens run through the model (recomputation too)
         self.tokens_wasted = 0  # of those: for requests that were then aborted (client gone) or failed
+        self.late: Counter = Counter()  # requests that ended past their clients' deadlines, by phase then
         self._pending_outputs: List[RequestOutput] = []  # finished while scheduling
 
     # --- requests in and out ---------------------------------------------------
@@ -252,6 +255,8 @@ class Scheduler:
         seq.next_input = seq.state = None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.deadline is not None and time.perf_counter() > seq.deadline:
+            self.late[seq.phase] += 1
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
         elif seq.status == Status.WAITING:

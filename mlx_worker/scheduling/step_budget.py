@@ -89,6 +89,6 @@ class StepBudget:
         mixed_s = max(self.cost.predict(shape), self.max_token_gap_s or TOKEN_GAP_FACTOR * decode_s)
         for s in rows:
             left = max(0, s.params.max_tokens - s.num_scheduled_output)
-            if left * decode_s <= s.deadline - now < URGENCY_MARGIN * left * mixed_s:
+            if left * decode_s <= s.due - now < URGENCY_MARGIN * left * mixed_s:
                 return True
         return False
