@@ -32,6 +32,14 @@ def seq(rid, n, seed, max_tokens=4, timeout_s=None):
     return Sequence.from_request(req, 16)
 
 
+def busy(sched):
+    """A request decoding ahead of the waiting ones (its prompt adds nothing to their wait):
+    a request alone is never withdrawn."""
+    decoding = seq("decoding", 10, 2)
+    decoding.next_input = 0
+    sched.running.append(decoding)
+
+
 def measured(admission):
     admission.observe(0.5, 0, 4)  # decode only: the gap between tokens
     admission.observe(1.0, 1000, 0)  # prefill only: a rate no waiting request can count on once...
@@ -150,6 +158,11 @@ def test_a_taken_request_that_can_no_longer_finish_is_withdrawn_before_any_work(
     started.num_preemptions = 1
     assert admission.withdraw(sched) == [] and len(sched.waiting) == 2
     assert admission.num_withdrawn == 1
+    alone = Scheduler(PageManager(1024, 16), set(), max_running=8, max_batched_tokens=512)
+    hurried = seq("hurried", 300, 7, timeout_s=0.1)
+    assert alone.add(hurried) is None
+    hurried.deadline = now  # it cannot make it, but nothing is ahead of it: kept, as admission took it
+    assert admission.withdraw(alone) == [] and alone.waiting == [hurried]
 
 
 def test_a_withdrawal_leaves_the_answer_time_to_reach_its_client():
@@ -157,6 +170,7 @@ def test_a_withdrawal_leaves_the_answer_time_to_reach_its_client():
     admission = measured(Admission())
     s = seq("s", 300, 1, timeout_s=100)
     assert sched.add(s) is None
+    busy(sched)
     s.deadline = time.perf_counter() + admission.calibration * (300 * 0.01 + 4 * admission.gap_s) + 2
     assert admission.withdraw(sched) == []  # its last token is predicted 2 s before the deadline...
     s.return_s = 5  # ...but its answer needs 5 s more to reach the client
@@ -168,6 +182,7 @@ def test_a_withdrawal_is_a_refusal_with_when_to_retry():
     admission = measured(Admission())
     late = seq("late", 500, 1, timeout_s=10)
     assert sched.add(late) is None
+    busy(sched)
     late.deadline = time.perf_counter() + 1  # 5 s of prefill alone: it cannot make it
     [out] = admission.withdraw(sched)
     assert out.rid == "late" and out.finished and out.finish_reason == "error" and out.error_code == "overloaded"

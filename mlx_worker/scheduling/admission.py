@@ -249,10 +249,12 @@ class Admission:
         now, scale, per_token = time.perf_counter(), self.calibration, self.seconds_per_token
         ahead = sum(s.num_tokens - s.num_computed for s in scheduler.running if s.next_input is None)
         late = []
-        for seq in scheduler.waiting:
+        for i, seq in enumerate(scheduler.waiting):
             ahead += scheduler.uncached_tokens(seq)
             if seq.deadline is None or seq.pages or seq.num_preemptions:
                 continue  # started once: its work is done already
+            if i == 0 and not scheduler.running:
+                continue  # nothing ahead of it: taken as admission takes it, no wait would make it faster
             ends = now + scale * (ahead * per_token + self.output_tokens(seq.params.max_tokens) * self._gap_s)
             if ends > seq.due:
                 late.append((seq, ends))
