@@ -264,15 +264,18 @@ class Ingress:
         """`call(group, payload, hashes)` on the best replica that takes the request: a
         replica that refuses it as overloaded is avoided in the next try (the router
         ranks it last), up to MAX_REPLICA_TRIES in a group, then the next group (when
-        the app has several) is tried; the last refusal is the answer (429)."""
-        payload["timeout_s"] = client_timeout.seconds_left()
+        the app has several) is tried; the last refusal is the answer (429). Each try
+        carries the time its client has left then: a refusal may come late (a request
+        taken, then withdrawn), and a retry that believed it had the whole timeout would
+        be taken for a client about to leave."""
         groups = self.groups.ranked(hashes) if self.groups else list(self.generate)
         refusal = None
         for group in groups:
             avoid = []
             for _ in range(MAX_REPLICA_TRIES):
                 try:
-                    return await call(group, {**payload, "avoid_engines": avoid}, hashes)
+                    try_payload = {**payload, "avoid_engines": avoid, "timeout_s": client_timeout.seconds_left()}
+                    return await call(group, try_payload, hashes)
                 except BackPressureError:
                     refusal = refusal or Overloaded("the server is overloaded; retry later", self.args.retry_after_s)
                     break
