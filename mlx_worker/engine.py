@@ -2,14 +2,13 @@
 
 import asyncio
 import atexit
-import contextlib
 import os
 import queue
 import threading
 import time
 import weakref
 from collections import deque
-from typing import AsyncIterator, Dict, List, Optional, Tuple
+from typing import AsyncIterator, List, Optional, Tuple
 
 import numpy as np
 from mlx.utils import tree_flatten
@@ -24,6 +23,7 @@ from .memory.page_manager import PageManager
 from .memory.state_snapshots import StateSnapshots
 from .models.batch_probe import probe_batching
 from .models.loader import load_model, load_sharded
+from .outbox import Outbox, merge_ready
 from .request import Request, RequestOutput, Sequence
 from .sampling.detokenizer import IncrementalDetokenizer
 from .sampling.grammar import GrammarCompiler
@@ -92,9 +92,8 @@ class Engine:
         self._grammars = None
 
         self._commands: "queue.Queue[Tuple[str, object]]" = queue.Queue()
-        self._sinks: Dict[str, Tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._outbox: Dict[asyncio.AbstractEventLoop, list] = {}  # outputs not yet handed to their loops
-        self.worker.before_device = self._flush_outbox
+        self.outbox = Outbox()
+        self.worker.before_device = self.outbox.flush
         self._host_s = 0.0  # engine-thread time per step that is not spent waiting for the device
         self._host_cpu_s = 0.0  # the same span in the thread's CPU time: without the waits for a free core
         self._stats = EngineStats(self._memory_budget(weights))
@@ -166,14 +165,12 @@ class Engine:
         detok = None
         if detokenize and self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.params.stop)
-        loop = asyncio.get_running_loop()
-        sink: asyncio.Queue = asyncio.Queue()
-        self._sinks[request.rid] = (loop, sink)
+        sink = self.outbox.open(request.rid)
         self._commands.put(("add", (request, matcher, time.perf_counter())))  # its deadline counts from here
         finished, held = False, None
         try:
             while not finished:
-                out, held = _merge_ready(held if held is not None else await sink.get(), sink)
+                out, held = merge_ready(held if held is not None else await sink.get(), sink)
                 if isinstance(out, BaseException):
                     raise RuntimeError("engine loop died") from out
                 out.index = index
@@ -190,7 +187,7 @@ class Engine:
                         out.finish_reason, out.stop_reason = "stop", detok.stopped
                 yield out
         finally:
-            self._sinks.pop(request.rid, None)
+            self.outbox.close(request.rid)
             if not finished:
                 self.abort(request.rid)
 
@@ -236,7 +233,7 @@ class Engine:
         except BaseException as e:  # surface to every waiting caller, never hang them
             if isinstance(e, RankLost) and self._stop.is_set():
                 return  # this follower's own shutdown closed the channel
-            self._flush_outbox()
+            self.outbox.flush()
             self._fail_all(e)
             raise
         finally:
@@ -246,9 +243,7 @@ class Engine:
     def _fail_all(self, error: BaseException) -> None:
         """The engine cannot go on: every waiting caller gets `error`, later ones too."""
         self._error = error
-        for loop, sink in list(self._sinks.values()):
-            with contextlib.suppress(RuntimeError):  # that caller's event loop is closed
-                loop.call_soon_threadsafe(sink.put_nowait, error)
+        self.outbox.fail_all(error)
 
     def _watch_group(self) -> None:
         """A rank that dies mid-step leaves the others blocked in a collective that MLX
@@ -305,7 +300,7 @@ class Engine:
                 self._host_s += time.perf_counter() - t - (self.worker.device_s - wait)
                 self._host_cpu_s += time.thread_time() - c - (self.worker.device_cpu_s - wait_cpu)
             if not inflight:  # no device wait ahead to hand the outputs over in
-                self._flush_outbox()
+                self.outbox.flush()
 
     def _recover(self, inflight: deque, unlaunched: Optional[StepPlan], error: Exception) -> None:
         """After a step failed: when it failed while being built, the steps already in
@@ -432,22 +427,11 @@ class Engine:
             self._stats.publish(self)
 
     def _deliver(self, outputs: List[RequestOutput]) -> None:
-        """Queue outputs for their callers' event loops; they are handed over just before
-        the engine thread next waits for the device (`_flush_outbox`). Waking a loop
-        earlier would have its consumers compete for the GIL with the building of the
-        next step, which then reaches the device later."""
+        """Outputs for their callers (handed over before the next device wait: Outbox)."""
         for out in outputs:
             if out.finished:
                 self.admission.finished(out)
-            target = self._sinks.get(out.rid)
-            if target is not None:
-                self._outbox.setdefault(target[0], []).append((target[1], out))
-
-    def _flush_outbox(self) -> None:
-        outbox, self._outbox = self._outbox, {}
-        for loop, items in outbox.items():
-            with contextlib.suppress(RuntimeError):  # that caller's event loop is closed
-                loop.call_soon_threadsafe(_put_all, items)
+            self.outbox.put(out)
 
 
 RETURN_SHARE = 0.05  # of a timeout: the hops the engine does not see (ingress to replica before it, and the
@@ -481,27 +465,3 @@ def _wait_os_thread_gone(thread: threading.Thread, timeout: float = 2.0) -> None
     deadline = time.monotonic() + timeout
     while os.path.exists(task) and time.monotonic() < deadline:
         time.sleep(0.001)
-
-
-def _merge_ready(out, sink: asyncio.Queue):
-    """Fold outputs already waiting behind `out` into it: a slow consumer (e.g. one Ray
-    object per item) then gets several tokens per item instead of falling behind. An
-    error is never folded into tokens (their stream must start before it fails): it is
-    returned as the next item to take, with the merged output."""
-    while not isinstance(out, BaseException) and not out.finished and not sink.empty():
-        nxt = sink.get_nowait()
-        if isinstance(nxt, BaseException) or (nxt.finish_reason == "error" and out.token_ids):
-            return out, nxt
-        out.token_ids = out.token_ids + nxt.token_ids
-        if out.logprobs is not None or nxt.logprobs is not None:
-            out.logprobs = (out.logprobs or []) + (nxt.logprobs or [])
-        if out.top_logprobs is not None or nxt.top_logprobs is not None:
-            out.top_logprobs = (out.top_logprobs or []) + (nxt.top_logprobs or [])
-        out.finished, out.finish_reason, out.error, out.error_code = nxt.finished, nxt.finish_reason, nxt.error, nxt.error_code
-        out.stop_reason, out.num_output_tokens = nxt.stop_reason, nxt.num_output_tokens
-    return out, None
-
-
-def _put_all(items) -> None:
-    for sink, out in items:
-        sink.put_nowait(out)
