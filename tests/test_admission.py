@@ -165,12 +165,17 @@ def test_a_taken_request_that_can_no_longer_finish_is_withdrawn_before_any_work(
     assert admission.withdraw(alone) == [] and alone.waiting == [hurried]
 
 
-def test_a_withdrawal_leaves_the_answer_time_to_reach_its_client():
+def waiting_behind_work(rid, n, timeout_s):
+    """A measured admission, and a scheduler with one request waiting behind a decoding one."""
     sched = Scheduler(PageManager(1024, 16), set(), max_running=8, max_batched_tokens=512)
-    admission = measured(Admission())
-    s = seq("s", 300, 1, timeout_s=100)
-    assert sched.add(s) is None
+    waiting = seq(rid, n, 1, timeout_s=timeout_s)
+    assert sched.add(waiting) is None
     busy(sched)
+    return measured(Admission()), sched, waiting
+
+
+def test_a_withdrawal_leaves_the_answer_time_to_reach_its_client():
+    admission, sched, s = waiting_behind_work("s", 300, timeout_s=100)
     s.deadline = time.perf_counter() + admission.calibration * (300 * 0.01 + 4 * admission.gap_s) + 2
     assert admission.withdraw(sched) == []  # its last token is predicted 2 s before the deadline...
     s.return_s = 5  # ...but its answer needs 5 s more to reach the client
@@ -178,11 +183,7 @@ def test_a_withdrawal_leaves_the_answer_time_to_reach_its_client():
 
 
 def test_a_withdrawal_is_a_refusal_with_when_to_retry():
-    sched = Scheduler(PageManager(1024, 16), set(), max_running=8, max_batched_tokens=512)
-    admission = measured(Admission())
-    late = seq("late", 500, 1, timeout_s=10)
-    assert sched.add(late) is None
-    busy(sched)
+    admission, sched, late = waiting_behind_work("late", 500, timeout_s=10)
     late.deadline = time.perf_counter() + 1  # 5 s of prefill alone: it cannot make it
     [out] = admission.withdraw(sched)
     assert out.rid == "late" and out.finished and out.finish_reason == "error" and out.error_code == "overloaded"

@@ -260,8 +260,8 @@ class Admission:
                 late.append((seq, ends))
         outputs = []
         for seq, ends in late:
-            promise = self._admitted.pop(seq.rid, None)
-            timeout = promise.timeout_s if promise else self.timeout_of(seq)
+            self._admitted.pop(seq.rid, None)
+            timeout = self.timeout_of(seq)  # what its deadline was set from
             message = (f"the server is overloaded: this request, taken {now - (seq.deadline - timeout):.0f} s ago, "
                        f"would now finish past its {timeout:g} s timeout; retry later")
             self.num_withdrawn += 1
