@@ -1,6 +1,6 @@
 """The engine's configuration: the `engine:` keys of deploy/app.yaml."""
 
-from typing import List, Literal, Optional
+from typing import Dict, List, Literal, Optional
 
 from pydantic import Field
 
@@ -48,3 +48,7 @@ class EngineConfig(StrictModel):
     """jaccl only: rank i's RDMA device towards rank j."""
     request_timeout_s: Optional[float] = Field(None, gt=0)
     """Refuse at once (429 + Retry-After) a request that cannot finish within its client's timeout (X-Request-Timeout, or the SDKs' own header), else within this; null: admit all."""
+    adapters: Dict[str, str] = Field(default_factory=dict)
+    """LoRA adapters this engine serves beside its base model: name -> directory (mlx-lm's format or PEFT's)."""
+    max_loaded_adapters: int = Field(8, ge=1)
+    """Adapters resident at once; the least recently used one with no request in flight makes room for another."""

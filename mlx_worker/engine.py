@@ -13,6 +13,7 @@ from typing import AsyncIterator, List, Optional, Tuple
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .adapters.adapter_slots import AdapterSlots
 from .config import EngineConfig
 from .distributed.ranks import RankLost, Ranks
 from .engine_stats import EngineStats
@@ -54,6 +55,9 @@ class Engine:
         if model is None:
             model, tokenizer = (load_sharded(config.model, config.dtype, ranks.group, config.pipeline_parallel_size > 1)
                                 if ranks else load_model(config.model, config.dtype))
+        if config.adapters and ranks:
+            raise ValueError("LoRA adapters need a replica of one Mac (tensor_parallel_size and pipeline_parallel_size 1)")
+        self.adapters = AdapterSlots(model, config.adapters, config.max_loaded_adapters) if config.adapters else None
         self.model, self.tokenizer = model, tokenizer
         tree = probe_caches(model)
         self.vocab_size = tree.vocab
@@ -81,7 +85,7 @@ class Engine:
         # The decode batch's copies from the pool run before a step, never beside one: its activation budget.
         self.worker = Worker(model, self.pool, tree, self.vocab_size, sorted(eos),
                              int(config.decode_staging_fraction * budget), self.snapshots, self.batching,
-                             scratch_bytes=self.activation_bytes)
+                             scratch_bytes=self.activation_bytes, adapters=self.adapters)
         self.kv_bytes_per_token = kv_bytes_per_token(tree.kv, tree.kv_dtype)
         self.state_bytes_per_request = tree.state_bytes
         self.admission = Admission(config.request_timeout_s)
@@ -90,6 +94,7 @@ class Engine:
         self.num_steps = 0
         self.num_failed_steps = 0
         self._grammars = None
+        self._parked: List[Tuple[Sequence, float]] = []  # requests waiting for an adapter slot, and when submitted
 
         self._commands: "queue.Queue[Tuple[str, object]]" = queue.Queue()
         self.outbox = Outbox()
@@ -116,6 +121,8 @@ class Engine:
             raise RuntimeError("a follower rank takes no requests: send them to rank 0")
         params = request.params
         params.check_vocab(self.vocab_size)
+        if request.adapter is not None and (self.adapters is None or request.adapter not in self.adapters):
+            raise ValueError(f"adapter {request.adapter!r} is not served by this engine")
         if params.embedding and self.worker.split is None:
             raise ValueError("this model's body and output head cannot be told apart: it serves no embeddings")
         if params.stop and (self.tokenizer is None or not detokenize):
@@ -129,6 +136,7 @@ class Engine:
         async def pump(i: int):
             seed = None if params.seed is None else (params.seed + i) % 2**32
             sub = Request(rid=f"{request.rid}#{i}", prompt_ids=request.prompt_ids, timeout_s=request.timeout_s,
+                          adapter=request.adapter,
                           params=params.model_copy(update={"n": 1, "seed": seed}))
             try:
                 async for out in self._generate_one(sub, i, detokenize):
@@ -268,7 +276,7 @@ class Engine:
         inflight: deque = deque()
         failures = 0  # consecutive failed steps
         while not self._stop.is_set():
-            idle = not inflight and not self.scheduler.has_work()
+            idle = not inflight and not self.scheduler.has_work() and not self._parked
             self._apply_commands(block=idle)
             t, c = time.perf_counter(), time.thread_time()
             wait, wait_cpu = self.worker.device_s, self.worker.device_cpu_s
@@ -363,6 +371,12 @@ class Engine:
             return self._replay_commands()
         self.budget.cost.refit()  # here only: the followers get the same fit before the same schedule
         outputs, applied, taken = [], [], 0
+        parked, self._parked = self._parked, []
+        for seq, submitted in parked:  # waiting for an adapter slot: in arrival order
+            if self._parked or not self._take_adapter(seq):
+                self._parked.append((seq, submitted))
+            elif (out := self._admit(seq, submitted)[0]) is not None:
+                outputs.append(out)
         while True:
             try:
                 cmd, arg = self._commands.get(block=block and not taken)
@@ -373,17 +387,17 @@ class Engine:
             if cmd == "add":
                 seq = Sequence.from_request(arg[0], self.config.page_size)
                 seq.matcher = arg[1]
-                out = self.admission.refuse(seq, self.scheduler)
-                if out is not None:  # never scheduled: the followers need not know
+                if not self._take_adapter(seq):
+                    self._parked.append((seq, arg[2]))
+                    continue
+                out, admitted = self._admit(seq, arg[2])
+                if not admitted:  # never scheduled: the followers need not know
                     outputs.append(out)
                     continue
-                timeout = self.admission.timeout_of(seq)
-                seq.deadline = arg[2] + timeout if timeout else None
-                seq.return_s = RETURN_SHARE * (timeout or 0.0)
-                out = self.scheduler.add(seq)
                 arg = (arg[0], seq.seed)
             elif cmd == "abort":
                 out = self.scheduler.abort(*arg)
+                self._parked = [(s, t) for s, t in self._parked if s.rid != arg[0]]
             if cmd != "stop":  # followers get theirs when the loop ends (_leave_group)
                 applied.append((cmd, arg))
             if out is not None:
@@ -404,6 +418,27 @@ class Engine:
         if taken:  # the figures changed
             self._stats.publish(self)
         self._deliver(outputs)
+
+    def _take_adapter(self, seq: Sequence) -> bool:
+        """Put `seq`'s adapter in a slot, loading it if need be; False: every slot is in use
+        by requests in flight (it waits for one, parked, in arrival order)."""
+        if seq.adapter is None:
+            return True
+        busy = {s.adapter_slot for s in (*self.scheduler.running, *self.scheduler.waiting)}
+        slot = self.adapters.acquire(seq.adapter, busy)
+        seq.adapter_slot = slot or 0
+        return slot is not None
+
+    def _admit(self, seq: Sequence, submitted: float) -> Tuple[Optional[RequestOutput], bool]:
+        """Admission's answer for `seq` (submitted at perf_counter `submitted`), and whether
+        it was taken: its refusal, or the scheduler's output if it rejected it at once."""
+        out = self.admission.refuse(seq, self.scheduler)
+        if out is not None:
+            return out, False
+        timeout = self.admission.timeout_of(seq)
+        seq.deadline = submitted + timeout if timeout else None
+        seq.return_s = RETURN_SHARE * (timeout or 0.0)
+        return self.scheduler.add(seq), True
 
     def _replay_commands(self) -> None:
         applied = self.ranks.channel.recv()

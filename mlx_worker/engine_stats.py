@@ -76,6 +76,7 @@ class EngineStats:
             "state_snapshots": len(snaps) if snaps else 0,
             "state_snapshot_bytes": snaps.nbytes if snaps else 0,
             "peak_memory_bytes": mx.get_peak_memory(),
+            "adapters": engine.adapters.stats() if engine.adapters else None,  # resident LoRA adapters
             **self.memory,
         }
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 from pydantic import BaseModel, Field
 
-from .memory.paging import page_hashes
+from .memory.paging import adapter_root, page_hashes
 from .sampling.sampler import SamplingParams
 
 
@@ -19,6 +19,7 @@ class Request(BaseModel):
     prompt_ids: List[int] = Field(min_length=1)
     params: SamplingParams = Field(default_factory=SamplingParams)
     timeout_s: Optional[float] = Field(None, gt=0)  # the client's patience: admission refuses what cannot finish in it
+    adapter: Optional[str] = None  # a LoRA adapter the engine serves (EngineConfig.adapters); None: the base model
 
 
 @dataclass
@@ -93,6 +94,8 @@ class Sequence:
     deadline: Optional[float] = None  # perf_counter time its client gives up (set on admission; the leader's only)
     return_s: float = 0.0  # of that time, what the answer's way back to the client is given (engine.RETURN_SHARE)
     uncached_estimate: Optional[int] = None  # tokens to compute, as the prefix cache stood at arrival (admission.py)
+    adapter: Optional[str] = None  # Request.adapter
+    adapter_slot: int = 0  # its adapter's slot in the LoRA layers (adapters/); 0: the base model
 
     def __post_init__(self):
         self.num_tokens = len(self.tokens)
@@ -110,7 +113,8 @@ class Sequence:
 
     @classmethod
     def from_request(cls, req: Request, page_size: int) -> "Sequence":
-        return cls(req.rid, list(req.prompt_ids), req.params, len(req.prompt_ids), page_size, timeout_s=req.timeout_s)
+        return cls(req.rid, list(req.prompt_ids), req.params, len(req.prompt_ids), page_size, timeout_s=req.timeout_s,
+                   adapter=req.adapter)
 
     @property
     def due(self) -> Optional[float]:
@@ -140,6 +144,6 @@ class Sequence:
         """Hashes of the first n_pages pages of the known tokens (computed once)."""
         if len(self.hashes) < n_pages:
             P = self.page_size
-            parent = self.hashes[-1] if self.hashes else None
+            parent = self.hashes[-1] if self.hashes else adapter_root(self.adapter)
             self.hashes += page_hashes(self.tokens[len(self.hashes) * P : n_pages * P], P, parent)
         return self.hashes[:n_pages]

@@ -54,8 +54,10 @@ class Worker:
     """
 
     def __init__(self, model, pool: KVPool, tree: CacheTree, vocab_size: int, stop_ids: List[int],
-                 staging_bytes: int = 0, snapshots=None, batching: str = RAGGED, scratch_bytes: int = 0):
+                 staging_bytes: int = 0, snapshots=None, batching: str = RAGGED, scratch_bytes: int = 0,
+                 adapters=None):
         self.model = model
+        self.adapters = adapters  # adapters.AdapterSlots: each forward's rows name their LoRA adapters
         self.batching = batching
         self.kv = StepKV(pool, tree, 0 if batching == UNIFORM else staging_bytes, scratch_bytes, snapshots,
                          head_groups=batching == RAGGED_HEAD_GROUPS)
@@ -136,6 +138,8 @@ class Worker:
         """One forward of `seqs`' rows, each feeding `L` tokens from its offset: its logits
         (hidden states if `body_only`) and the KV memory arrays it leaves (still lazy)."""
         kv = self.kv.forward(seqs, offsets, L, staged)
+        if self.adapters is not None:
+            self.adapters.select(s.adapter_slot for s in seqs)
         t, c = time.perf_counter(), time.thread_time()
         out = self.split[0](inputs, kv.caches) if body_only else self.model(inputs, cache=kv.caches)
         self.build_s += time.perf_counter() - t

@@ -70,3 +70,52 @@ def save_tiny_model(arch: str, path: Path, tokenizer_dir: Optional[Path] = None,
             if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
                 (path / f.name).write_bytes(f.read_bytes())
     return path
+
+
+def save_tiny_adapter(model_dir: Path, path: Path, keys, seed: int = 0, rank: int = 4, scale: float = 2.0,
+                      dora: bool = False, num_layers: Optional[int] = None) -> Path:
+    """A random LoRA (or DoRA) adapter in mlx-lm's format for the model at `model_dir`,
+    made by mlx-lm's own `linear_to_lora_layers` (B random: a zero B changes nothing)."""
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = load(str(model_dir))
+    num_layers = len(model.layers) if num_layers is None else num_layers
+    lora = {"rank": rank, "scale": scale, "dropout": 0.0, "keys": list(keys)}
+    mx.random.seed(seed)
+    linear_to_lora_layers(model, num_layers, lora, use_dora=dora)
+    weights = {}
+    for k, v in tree_flatten(model.trainable_parameters()):
+        leaf = k.rsplit(".", 1)[-1]
+        if leaf == "lora_b":
+            v = mx.random.normal(v.shape) * 0.5
+        elif leaf == "m":
+            v = v * (1 + 0.2 * mx.random.uniform(shape=v.shape))
+        if leaf in ("lora_a", "lora_b", "m"):
+            weights[k] = v
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "dora" if dora else "lora", "num_layers": num_layers, "lora_parameters": lora}))
+    return path
+
+
+def mlx_adapter_as_peft(src: Path, dst: Path, target_modules) -> Path:
+    """The same LoRA weights in PEFT's format (lora_A [r, in], lora_B [out, r], lora_alpha)."""
+    src, dst = Path(src), Path(dst)
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    lora = cfg["lora_parameters"]
+    weights = mx.load(str(src / "adapters.safetensors"))
+    peft = {}
+    for k, v in weights.items():
+        module, leaf = k.rsplit(".", 1)
+        name = {"lora_a": "lora_A.weight", "lora_b": "lora_B.weight", "m": "lora_magnitude_vector"}[leaf]
+        peft[f"base_model.model.{module}.{name}"] = v.T if leaf != "m" else v
+    dst.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dst / "adapter_model.safetensors"), peft)
+    (dst / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": lora["rank"], "lora_alpha": lora["scale"] * lora["rank"],
+        "target_modules": target_modules, "use_dora": cfg["fine_tune_type"] == "dora", "use_rslora": False,
+        "layers_to_transform": None, "bias": "none"}))
+    return dst

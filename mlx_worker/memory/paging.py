@@ -27,3 +27,11 @@ def page_hashes(
         h = int.from_bytes(m.digest(), "little") >> 1  # fits a signed int64
         out.append(h)
     return out
+
+
+def adapter_root(adapter: Optional[str]) -> Optional[int]:
+    """The `parent` that starts the page hash chain of a prompt under a LoRA adapter (None:
+    the base model): a page computed under one adapter never matches another's."""
+    if not adapter:
+        return None
+    return int.from_bytes(hashlib.blake2b(b"adapter:" + adapter.encode(), digest_size=8).digest(), "little") >> 1

@@ -1,0 +1,171 @@
+"""LoRA adapters in the engine: rows of different adapters and the base in one batch,
+token for token equal to mlx-lm's own generation with the adapter loaded
+(`mlx_lm.load(base, adapter_path=...)`), under chunked prefill, slot eviction and prefix hits."""
+
+import asyncio
+import json
+
+import mlx.core as mx
+import pytest
+from conftest import collect, reference_greedy
+from mlx_lm import load
+from tiny_models import mlx_adapter_as_peft, save_tiny_adapter, save_tiny_model
+
+from mlx_worker import Engine, EngineConfig, Request, SamplingParams
+from mlx_worker.adapters.adapter_files import AdapterError
+from mlx_worker.models.gguf import default_model_path
+
+PROMPTS = [list(range(1, 40)), [5, 6, 7, 8, 100, 200, 300], [9, 9, 9, 1000, 2000, 3000, 4000] + list(range(5, 30))]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def farm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    base = save_tiny_model("llama", root / "base", tokenizer_dir=default_model_path())
+    adapters = {
+        "qv": save_tiny_adapter(base, root / "qv", ["self_attn.q_proj", "self_attn.v_proj"], seed=1),
+        "last-layer": save_tiny_adapter(base, root / "last", ["mlp.down_proj", "self_attn.o_proj"], seed=2,
+                                        rank=8, num_layers=1),
+        "dora": save_tiny_adapter(base, root / "dora", ["self_attn.q_proj", "mlp.up_proj"], seed=3, dora=True),
+    }
+    return root, base, adapters
+
+
+def _reference(base, adapter_dir, prompts=PROMPTS):
+    model, _ = load(str(base), adapter_path=None if adapter_dir is None else str(adapter_dir))
+    return [reference_greedy(model, p, MAX_TOKENS) for p in prompts]
+
+
+def _request(rid, prompt, adapter=None):
+    return Request(rid=rid, prompt_ids=prompt, adapter=adapter,
+                   params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0))
+
+
+def _run(engine, jobs):
+    """jobs: [(adapter, prompt)] run concurrently -> [(tokens, last output)]."""
+    async def main():
+        return await asyncio.gather(*[collect(engine, _request(f"r{i}", p, a)) for i, (a, p) in enumerate(jobs)])
+    return asyncio.run(main())
+
+
+def test_mixed_adapters_in_one_batch_equal_mlx_lm(farm):
+    """The base and three adapters (LoRA, LoRA on the last layer only, DoRA) in one batch,
+    two slots (the third adapter waits for one, then takes the least recently used),
+    prompts chunked 16 tokens at a time."""
+    _, base, adapters = farm
+    refs = {name: _reference(base, adapters.get(name)) for name in [None, *adapters]}
+    engine = Engine(EngineConfig(model=str(base), adapters={n: str(p) for n, p in adapters.items()},
+                                 max_loaded_adapters=2, max_batched_tokens=16, step_budget="tokens"))
+    try:
+        jobs = [(name, p) for name in [None, *adapters] for p in PROMPTS]
+        results = _run(engine, jobs)
+        for (name, p), (tokens, last) in zip(jobs, results):
+            assert last.error is None, last.error
+            assert tokens == refs[name][PROMPTS.index(p)], name
+        stats = engine.stats()["adapters"]
+        assert stats["capacity"] == 2 and len(stats["resident"]) == 2 and stats["loads"] >= 3
+    finally:
+        engine.shutdown()
+
+
+def test_prefix_pages_are_keyed_by_adapter(farm):
+    """A prompt's pages computed under one adapter are a prefix hit for that adapter only."""
+    _, base, adapters = farm
+    prompt = list(range(100, 164))
+    ref = {n: _reference(base, adapters.get(n), [prompt])[0] for n in (None, "qv")}
+    engine = Engine(EngineConfig(model=str(base), adapters={"qv": str(adapters["qv"])}))
+    try:
+        first, = _run(engine, [("qv", prompt)])
+        base_run, = _run(engine, [(None, prompt)])
+        again, = _run(engine, [("qv", prompt)])
+        assert first[0] == again[0] == ref["qv"] and base_run[0] == ref[None]
+        assert base_run[1].num_cached_tokens == 0  # the adapter's pages are not the base's
+        assert again[1].num_cached_tokens >= 48
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], r"model\.layers\.\d+\.self_attn\.(q|v)_proj"])
+def test_peft_adapter_equals_the_same_weights_in_mlx_lm_format(farm, targets):
+    root, base, adapters = farm
+    peft = mlx_adapter_as_peft(adapters["qv"], root / f"peft-{isinstance(targets, str)}", targets)
+    engine = Engine(EngineConfig(model=str(base), adapters={"qv-peft": str(peft)}))
+    try:
+        results = _run(engine, [("qv-peft", p) for p in PROMPTS])
+        assert [t for t, _ in results] == _reference(base, adapters["qv"])
+    finally:
+        engine.shutdown()
+
+
+def test_peft_dora_and_rslora(farm):
+    """PEFT's DoRA (lora_magnitude_vector) equals mlx-lm's DoRA; use_rslora scales by
+    alpha / sqrt(r), which, with the alpha to match, gives the same tokens."""
+    root, base, adapters = farm
+    dora = mlx_adapter_as_peft(adapters["dora"], root / "peft-dora", ["q_proj", "up_proj"])
+    rslora = mlx_adapter_as_peft(adapters["qv"], root / "peft-rslora", ["q_proj", "v_proj"])
+    cfg = json.loads((rslora / "adapter_config.json").read_text())
+    cfg.update(use_rslora=True, lora_alpha=cfg["lora_alpha"] / cfg["r"] ** 0.5)
+    (rslora / "adapter_config.json").write_text(json.dumps(cfg))
+    engine = Engine(EngineConfig(model=str(base), adapters={"d": str(dora), "rs": str(rslora)}))
+    try:
+        results = _run(engine, [("d", p) for p in PROMPTS] + [("rs", p) for p in PROMPTS])
+        tokens = [t for t, _ in results]
+        assert tokens[:3] == _reference(base, adapters["dora"]) and tokens[3:] == _reference(base, adapters["qv"])
+    finally:
+        engine.shutdown()
+
+
+def _broken(root, name, edit):
+    """A copy of the qv adapter with `edit(config, weights)` applied."""
+    src = root / "qv"
+    cfg, weights = json.loads((src / "adapter_config.json").read_text()), mx.load(str(src / "adapters.safetensors"))
+    edit(cfg, weights)
+    dst = root / name
+    dst.mkdir(exist_ok=True)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(dst / "adapters.safetensors"), weights)
+    return dst
+
+
+def _wrong_shape(cfg, w):
+    key = next(k for k in w if k.endswith("lora_a"))
+    w[key] = mx.zeros((w[key].shape[0] + 1, w[key].shape[1]))
+
+
+def _foreign_module(cfg, w):
+    w["model.layers.0.self_attn.nope.lora_a"] = mx.zeros((64, 4))
+    w["model.layers.0.self_attn.nope.lora_b"] = mx.zeros((4, 64))
+
+
+def _below_num_layers(cfg, w):
+    cfg["num_layers"] = 1  # its layer-0 weights are then outside the adapter (mlx-lm refuses them too)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_wrong_shape, "the layer takes 64"),
+    (_foreign_module, "no linear layer 'model.layers.0.self_attn.nope'"),
+    (_below_num_layers, "below its num_layers"),
+    (lambda cfg, w: cfg["lora_parameters"].pop("scale"), "needs rank and scale"),
+    (lambda cfg, w: cfg.update(fine_tune_type="full"), "is not an adapter"),
+])
+def test_a_wrong_adapter_fails_the_start_with_its_name(farm, edit, message):
+    root, base, _ = farm
+    bad = _broken(root, f"bad-{edit.__name__}", edit)
+    with pytest.raises(AdapterError, match=message) as e:
+        Engine(EngineConfig(model=str(base), adapters={"bad": str(bad)}))
+    assert "'bad'" in str(e.value)
+
+
+def test_missing_adapter_directory_and_unknown_adapter(farm, tmp_path):
+    root, base, adapters = farm
+    with pytest.raises(AdapterError, match="no adapter_config.json"):
+        Engine(EngineConfig(model=str(base), adapters={"gone": str(tmp_path / "nothing")}))
+    engine = Engine(EngineConfig(model=str(base), adapters={"qv": str(adapters["qv"])}))
+    try:
+        with pytest.raises(ValueError, match="adapter 'nope' is not served"):
+            _run(engine, [("nope", PROMPTS[0])])
+        (tokens, last), = _run(engine, [(None, PROMPTS[1])])  # the engine goes on
+        assert last.error is None and len(tokens) == MAX_TOKENS
+    finally:
+        engine.shutdown()
