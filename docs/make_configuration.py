@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mlx_worker.config import EngineConfig  # noqa: E402
-from serve_app.config import AppArgs, ReplicaGroupArgs  # noqa: E402
+from serve_app.config import AppArgs, ModelArgs, ReplicaGroupArgs  # noqa: E402
 from serve_app.routing.prefix_policy import PrefixAffinityConfig  # noqa: E402
 
 PAGE = ROOT / "docs" / "configuration.md"
@@ -45,6 +45,9 @@ applications:
 
 SECTIONS = [
     (AppArgs, "App: `args:`", "The application's own keys."),
+    (ModelArgs, "Models: `args.models[]`",
+     "Several models in one app (docs/models.md); each model's unset keys take the app's, its `engine:` is merged "
+     "over the app's key by key."),
     (EngineConfig, "Engine: `args.engine:`",
      "One engine per replica (`mlx_worker.EngineConfig`); the same keys work in `Engine(EngineConfig(...))`. "
      "In the app, `model` is the app's."),

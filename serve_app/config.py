@@ -7,6 +7,7 @@ from pydantic import Field, model_validator
 from mlx_worker.config import EngineConfig
 from mlx_worker.strict_model import StrictModel, check_keys
 
+from .model_files import served_name
 from .routing.prefix_policy import PrefixAffinityConfig
 
 
@@ -25,6 +26,31 @@ class ReplicaGroupArgs(StrictModel):
     """Engine keys over the app's `engine:` (e.g. tensor_parallel_size: 2)."""
     weight: Optional[float] = Field(None, gt=0)
     """Its share of new prompts; null: its replica count."""
+
+
+class ModelArgs(StrictModel):
+    """One model of an app that serves several (`models:`). Unset fields take the app's."""
+
+    name: str = Field(pattern=r"^[^\s:]+$")
+    """The id clients send as `model` (no spaces, no colon: `base:adapter` picks an adapter)."""
+    model: Optional[str] = None
+    """HF id, mlx-lm directory or .gguf file; null: the embedded SmolLM2-135M-Instruct."""
+    adapters: Dict[str, str] = Field(default_factory=dict)
+    """LoRA adapters on this model: name -> directory (mlx-lm's format or PEFT's); clients send the name, or `model:name`."""
+    engine: Dict[str, Any] = Field(default_factory=dict)
+    """Engine keys merged over the app's `engine:`, key by key."""
+    num_replicas: Union[int, Literal["auto"], None] = None
+    """Its replicas at most; null: the app's num_replicas."""
+    min_replicas: Optional[int] = Field(None, ge=0)
+    """Replicas kept loaded; 0: loaded on its first request, unloaded after idle_unload_s; null: num_replicas (always loaded)."""
+    idle_unload_s: float = Field(600, gt=0)
+    """A model with min_replicas below its replicas gives back the ones idle this long."""
+    pin: bool = False
+    """Never unloaded to make room for another model (idle unloading still follows min_replicas)."""
+    replica_resource: Optional[str] = "auto"
+    """The custom resource each of its replicas takes; unset: the app's."""
+    replica_groups: Optional[List[ReplicaGroupArgs]] = None
+    """Its replicas of different sizes; null: the app's replica_groups."""
 
 
 class AppArgs(StrictModel):
@@ -56,14 +82,56 @@ class AppArgs(StrictModel):
     """Retry-After of the ingress's own 429 (its queue full)."""
     replica_groups: List[ReplicaGroupArgs] = Field(default_factory=list)
     """Replicas of different sizes in one app (docs/cluster.md section 8)."""
+    adapters: Dict[str, str] = Field(default_factory=dict)
+    """LoRA adapters on the app's one model: name -> directory (with `models:`, each model's own)."""
+    models: List[ModelArgs] = Field(default_factory=list)
+    """Several models in one app (docs/models.md); absent: the one model of `model:`. A request without `model` goes to the first."""
 
     @model_validator(mode="after")
     def _engine_keys(self):
-        """The engine keys, the app's and each group's, checked now: a typo fails the
-        deploy with its name instead of running the defaults (the router's keys too)."""
-        EngineConfig.model_validate({**self.engine, "model": self.model})
+        """The engine keys, the app's, each model's and each group's, checked now: a typo
+        fails the deploy with its name instead of running the defaults (the router's keys
+        too); and the names clients use, each naming one model or adapter."""
+        if self.models:
+            beside = sorted(k for k in ("model", "model_name", "adapters") if k in self.model_fields_set)
+            if beside:
+                raise ValueError(f"{', '.join(beside)} beside models: give each model its own in its entry")
+        names = [n for m in self.served_models() for n in (m.name, *m.adapters)]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"two models or adapters have the name {twice[0]!r}; each name must be unique")
+        if any(":" in n for n in names):
+            raise ValueError(f"a name cannot contain ':' (base:adapter picks an adapter): {names}")
         check_keys(PrefixAffinityConfig, self.router_kwargs)
         PrefixAffinityConfig.model_validate(self.router_kwargs)
-        for group in self.replica_groups:
-            EngineConfig.model_validate({**self.engine, **group.engine, "model": self.model})
+        for m in self.served_models():
+            args = self.for_model(m)
+            EngineConfig.model_validate({**args.engine, "model": m.model})
+            for group in args.replica_groups:
+                EngineConfig.model_validate({**args.engine, **group.engine, "model": m.model})
+            if m.min_replicas is not None and isinstance(args.num_replicas, int) and m.min_replicas > args.num_replicas:
+                raise ValueError(f"model {m.name!r}: min_replicas {m.min_replicas} is above its num_replicas "
+                                 f"{args.num_replicas}")
+            if m.min_replicas is not None and args.replica_groups:
+                raise ValueError(f"model {m.name!r}: min_replicas needs a model without replica_groups")
         return self
+
+    def served_models(self) -> List[ModelArgs]:
+        """The models this app serves: `models:`, or the one of `model:`."""
+        if self.models:
+            return list(self.models)
+        return [ModelArgs(name=self.model_name or served_name(self.model), model=self.model, adapters=self.adapters)]
+
+    def for_model(self, m: ModelArgs) -> "AppArgs":
+        """The args of an app of model `m` alone: the app's, with the model's own over them."""
+        engine = {**self.engine, **m.engine}
+        if m.adapters:
+            engine["adapters"] = {**engine.get("adapters", {}), **m.adapters}
+        update = {"model": m.model, "model_name": m.name, "engine": engine, "models": [], "adapters": m.adapters}
+        if m.num_replicas is not None:
+            update["num_replicas"] = m.num_replicas
+        if "replica_resource" in m.model_fields_set:
+            update["replica_resource"] = m.replica_resource
+        if m.replica_groups is not None:
+            update["replica_groups"] = m.replica_groups
+        return self.model_copy(update=update)

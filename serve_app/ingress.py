@@ -4,7 +4,6 @@ import asyncio
 import json
 import time
 import weakref
-from pathlib import Path
 from typing import Any, AsyncIterator, Dict, List, Optional
 
 from fastapi import FastAPI, Request
@@ -16,20 +15,19 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlx_worker.memory.paging import PAGE_SIZE, page_hashes
-
 from .api import anthropic_messages as A
 from .api import client_timeout
 from .api import embeddings as E
 from .api import protocol as P
 from .api import responses as R
 from .api import tools as T
-from .api.harmony import HarmonyParser, is_harmony
-from .api.output_parser import OutputParser, Parsed, starts_in_reasoning, think_format
+from .api.harmony import HarmonyParser
+from .api.output_parser import OutputParser, Parsed, starts_in_reasoning
 from .config import AppArgs
-from .model_files import context_length, download_tokenizer, served_name
-from .replica_outcomes import Overloaded, engine_error, replica_error, replica_failed
-from .routing.replica_groups import GroupPicker
+from .models.catalog import Catalog, Target
+from .models.residency import Residency
+from .models.served_model import ServedModel
+from .replica_outcomes import Overloaded, engine_error, model_loading, replica_error, replica_failed
 
 api = FastAPI(title="macfarm", description="OpenAI-compatible LLM serving on a Mac farm")
 
@@ -68,33 +66,21 @@ async def _http_error(request: Request, e: StarletteHTTPException):
 
 
 class Ingress:
-    """Validates, applies the chat template, tokenizes, and streams from a replica."""
+    """Validates, picks the model, applies its chat template, tokenizes, and streams from
+    one of its replicas."""
 
-    def __init__(self, replicas: Dict[str, DeploymentHandle], args: Dict[str, Any],
-                 weights: Optional[Dict[str, float]] = None):
-        from mlx_lm.utils import load_tokenizer
-
-        from mlx_worker.models.gguf import resolve_model
-
+    def __init__(self, replicas: Dict[str, Dict[str, DeploymentHandle]], args: Dict[str, Any],
+                 weights: Optional[Dict[str, Dict[str, float]]] = None):
         self.args = AppArgs.model_validate(args)
-        path = resolve_model(self.args.model)
-        local = Path(path) if Path(path).exists() else download_tokenizer(path)  # tokenizer + config only
-        self.tokenizer = load_tokenizer(local)
-        self.model_name = self.args.model_name or served_name(self.args.model)
-        self.max_model_len = context_length(local)
-        self.vocab_size = len(self.tokenizer._tokenizer)
-        self.page_size = int(self.args.engine.get("page_size", PAGE_SIZE))
-        self.max_body_bytes = max(1 << 20, BODY_BYTES_PER_TOKEN * self.max_model_len)
-        # One deployment per replica group (app.py): several when replicas differ in size.
-        self.generate = {g: h.options(stream=True, method_name="generate") for g, h in replicas.items()}
-        self.embed = {g: h.options(method_name="embed") for g, h in replicas.items()}
-        self.stats_handles = {g: h.options(method_name="stats") for g, h in replicas.items()}
-        self.groups = GroupPicker(weights or {g: 1.0 for g in replicas}) if len(replicas) > 1 else None
-        self.harmony = is_harmony(self.tokenizer)  # gpt-oss
-        self.call_format = T.HARMONY_CALLS if self.harmony else T.call_format(self.tokenizer)
-        self.think = think_format(self.tokenizer)
-        self.pooling = E.pooling(local)
-        self.created = int(time.time())
+        weights = weights or {}
+        self.catalog = Catalog([ServedModel(m, self.args.for_model(m), replicas[m.name], weights.get(m.name))
+                                for m in self.args.served_models()])
+        self.max_body_bytes = max(1 << 20, BODY_BYTES_PER_TOKEN * max(m.max_model_len for m in self.catalog.models.values()))
+        try:
+            app_name = serve.get_replica_context().app_name
+        except Exception:  # noqa: BLE001 - constructed outside Serve (a test)
+            app_name = None
+        self.residency = Residency(self.catalog.models, app_name)
 
     # --- endpoints -------------------------------------------------------------------
     @api.get("/health")
@@ -104,90 +90,121 @@ class Ingress:
     @api.get("/v1/models")
     async def models(self, request: Request):
         self._auth(request)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "macfarm"}]}
+        resident = {}
+        for m in self.catalog.models.values():
+            if m.adapters and self.residency.loaded(m.name):
+                try:
+                    got = await asyncio.wait_for(asyncio.gather(*[h.remote() for h in m.resident_adapters.values()]), 2)
+                    resident[m.name] = {a for names in got for a in names}
+                except Exception:  # noqa: BLE001 - unknown for now
+                    pass
+
+        def loaded(m, adapter):
+            up = self.residency.loaded(m.name)
+            if adapter is None or not up:
+                return up
+            return adapter in resident[m.name] if m.name in resident else None
+        return {"object": "list", "data": self.catalog.listing(loaded)}
 
     @api.get("/v1/stats")
     async def stats(self, request: Request):
         """Load and cache figures of the replicas (one call reaches one replica; of each
-        group, when the app has several)."""
+        group, when the app has several; of each model, when it serves several)."""
         self._auth(request)
-        names = list(self.stats_handles)
-        stats = await asyncio.gather(*[self.stats_handles[g].remote() for g in names])
-        if self.groups is None:
-            return {"replica": stats[0]}
-        return {"replica": stats[0], "groups": dict(zip(names, stats)), "in_flight": dict(self.groups.inflight)}
+        out = {}
+        for m in self.catalog.models.values():
+            if not self.residency.loaded(m.name):
+                continue  # a call would load it
+            names = list(m.stats_handles)
+            stats = await asyncio.gather(*[m.stats_handles[g].remote() for g in names])
+            one = {"replica": stats[0]}
+            if m.groups is not None:
+                one.update(groups=dict(zip(names, stats)), in_flight=dict(m.groups.inflight))
+            if not out:
+                out = dict(one)
+            if len(self.catalog.models) > 1:
+                out.setdefault("models", {})[m.name] = one
+        return out
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         self._auth(request)
         body = P.parse_request(P.ChatCompletionRequest, await self._body(request))
-        self._check_model(body.model)
-        prompt_ids, parser, grammar = self._chat_prompt(body)
-        return await self._serve(body, prompt_ids, "chat", parser, grammar)
+        t = self.catalog.resolve(body.model)
+        prompt_ids, parser, grammar = self._chat_prompt(t.model, body)
+        return await self._serve(t, body, prompt_ids, "chat", parser, grammar)
 
     @api.post("/v1/messages")
     async def messages(self, request: Request):
         """Anthropic's Messages API, served through the chat path."""
-        body, rid, parser, first, stream = await self._mapped(request, A.MessagesRequest, "messages", P.random_id("msg", "_"))
+        t, body, rid, parser, first, stream = await self._mapped(request, A.MessagesRequest, "messages",
+                                                                 P.random_id("msg", "_"))
         if body.stream:
-            writer = A.StreamWriter(self.model_name, rid)
+            writer = A.StreamWriter(t.name, rid)
             return StreamingResponse(self._writer_sse(first, stream, parser, writer, A), media_type="text/event-stream")
-        message = A.message(await self._rest(first, stream), self.model_name, rid, _whole(parser))
+        message = A.message(await self._rest(first, stream), t.name, rid, _whole(parser))
         return JSONResponse(message.model_dump(mode="json", exclude_unset=True))
 
     @api.post("/v1/responses")
     async def responses(self, request: Request):
         """OpenAI's Responses API, served through the chat path."""
-        body, rid, parser, first, stream = await self._mapped(request, R.ResponsesRequest, "input", R.new_id("resp"))
+        t, body, rid, parser, first, stream = await self._mapped(request, R.ResponsesRequest, "input", R.new_id("resp"))
         if body.stream:
-            writer = R.StreamWriter(body, self.model_name, rid)
+            writer = R.StreamWriter(body, t.name, rid)
             return StreamingResponse(self._writer_sse(first, stream, parser, writer, R), media_type="text/event-stream")
-        response = R.response(body, await self._rest(first, stream), self.model_name, rid, _whole(parser))
+        response = R.response(body, await self._rest(first, stream), t.name, rid, _whole(parser))
         return JSONResponse(response.model_dump(mode="json", exclude_none=True))
 
     @api.post("/v1/messages/count_tokens")
     async def count_tokens(self, request: Request):
         self._auth(request)
         body = P.parse_request(A.CountTokensRequest, await self._body(request))
-        self._check_model(body.model)
-        prompt_ids, _, _ = self._chat_prompt(self._as_chat(body))
+        t = self.catalog.resolve(body.model)
+        prompt_ids, _, _ = self._chat_prompt(t.model, self._as_chat(body))
         return {"input_tokens": len(prompt_ids)}
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         self._auth(request)
         body = P.parse_request(P.CompletionRequest, await self._body(request))
-        self._check_model(body.model)
-        ids = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        t = self.catalog.resolve(body.model)
+        m = t.model
+        ids = m.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         if not ids:
             raise P.ProtocolError("prompt is empty", "prompt")
-        if max(ids) >= self.vocab_size:
-            raise P.ProtocolError(f"prompt token ids must be below {self.vocab_size}", "prompt")
+        if max(ids) >= m.vocab_size:
+            raise P.ProtocolError(f"prompt token ids must be below {m.vocab_size}", "prompt")
         echo = None
         if body.echo:
-            echo = P.Echo(body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(ids), ids)
-        return await self._serve(body, ids, "completion", echo=echo)
+            echo = P.Echo(body.prompt if isinstance(body.prompt, str) else m.tokenizer.decode(ids), ids)
+        return await self._serve(t, body, ids, "completion", echo=echo)
 
     @api.post("/v1/embeddings")
     async def embeddings(self, request: Request):
         self._auth(request)
         body = P.parse_request(E.EmbeddingRequest, await self._body(request))
-        self._check_model(body.model)
-        prompts = [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in body.items()]
+        t = self.catalog.resolve(body.model)
+        m = t.model
+        prompts = [m.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in body.items()]
         for ids in prompts:
-            if max(ids) >= self.vocab_size:
-                raise P.ProtocolError(f"input token ids must be below {self.vocab_size}", "input")
-            if len(ids) >= self.max_model_len:
-                raise P.ProtocolError(f"an input is {len(ids)} tokens; the model's context is {self.max_model_len}",
+            if max(ids) >= m.vocab_size:
+                raise P.ProtocolError(f"input token ids must be below {m.vocab_size}", "input")
+            if len(ids) >= m.max_model_len:
+                raise P.ProtocolError(f"an input is {len(ids)} tokens; the model's context is {m.max_model_len}",
                                       "input", "context_length_exceeded")
         # One replica call for all inputs: Serve routes an ingress request's concurrent
         # calls by one shared internal id, and leaves all but the first unrouted (hangs).
-        payload = {"rid": P.random_id("embd"), "inputs": prompts, "pooling": self.pooling}
-        result = await self._on_replica(payload, page_hashes(prompts[0], self.page_size), self._embed_in)
-        return E.response(result["vectors"], self.model_name, sum(map(len, prompts)), body.encoding_format)
+        payload = {"rid": P.random_id("embd"), "inputs": prompts, "pooling": m.pooling, "adapter": t.adapter}
+        self.residency.begin(m.name)
+        try:
+            result = await self._on_replica(m, payload, m.page_hashes(prompts[0], t.adapter), self._embed_in)
+        finally:
+            self.residency.end(m.name)
+        return E.response(result["vectors"], t.name, sum(map(len, prompts)), body.encoding_format)
 
     # --- the shared path -------------------------------------------------------------
     def _auth(self, request: Request) -> None:
+        self.residency.start()  # here: it needs the event loop, which __init__ does not run in
         key = self.args.api_key
         if key and request.headers.get("authorization", "") != f"Bearer {key}" \
                 and request.headers.get("x-api-key") != key:
@@ -198,11 +215,11 @@ class Ingress:
         parsed body, its id, its output parser, and its first output and stream."""
         self._auth(request)
         body = P.parse_request(cls, await self._body(request))
-        self._check_model(body.model)
+        t = self.catalog.resolve(body.model)
         chat = self._as_chat(body)
-        prompt_ids, parser, grammar = self._chat_prompt(chat)
-        first, stream = await self._start(rid, prompt_ids, self._params(chat, prompt_ids, field, grammar))
-        return body, rid, parser, first, stream
+        prompt_ids, parser, grammar = self._chat_prompt(t.model, chat)
+        first, stream = await self._start(t, rid, prompt_ids, self._params(t.model, chat, prompt_ids, field, grammar))
+        return t, body, rid, parser, first, stream
 
     @staticmethod
     def _as_chat(body) -> "P.ChatCompletionRequest":
@@ -214,7 +231,8 @@ class Ingress:
         except ValueError as e:  # an input item the chat path cannot take
             raise P.ProtocolError(str(e), "input") from None
 
-    def _chat_prompt(self, body: "P.ChatCompletionRequest"):
+    @staticmethod
+    def _chat_prompt(m: ServedModel, body: "P.ChatCompletionRequest"):
         """The prompt's token ids (chat template, tools rendered into it), the tools the
         output may call, and the grammar that forces a call (tool_choice required/named)."""
         choice = body.effective_tool_choice
@@ -223,59 +241,58 @@ class Ingress:
         if body.reasoning_effort:
             kw["reasoning_effort"] = body.reasoning_effort
         if tools:
-            if self.call_format.native:
+            if m.call_format.native:
                 kw["tools"] = [t.model_dump(exclude_none=True) for t in tools]
             else:
                 messages = T.with_tools(messages, tools)
             try:
-                grammar = T.call_grammar(tools, choice, self.call_format)
+                grammar = T.call_grammar(tools, choice, m.call_format)
             except ValueError as e:
                 raise P.ProtocolError(str(e), "tool_choice")
         try:
-            prompt_ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kw))
+            prompt_ids = list(m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kw))
         except Exception as e:  # noqa: BLE001 - templates raise anything
             raise P.ProtocolError(f"chat template failed: {e}", "messages")
-        return prompt_ids, self._parser_factory(prompt_ids, tools), grammar
+        return prompt_ids, parser_factory(m, prompt_ids, tools), grammar
 
-    def _parser_factory(self, prompt_ids: List[int], tools):
-        """Makes a sample's OutputParser (reasoning, content, tool calls); None when the
-        model has no thinking markers and there are no tools: the text is all content."""
-        if self.harmony:
-            return HarmonyParser
-        if not (self.think or tools):
-            return None
-        in_reasoning = starts_in_reasoning(self.tokenizer, prompt_ids)
-        return lambda: OutputParser(self.think, self.call_format, tools, in_reasoning)
-
-    def _params(self, body, prompt_ids: List[int], field: str, tool_grammar=None):
+    def _params(self, m: ServedModel, body, prompt_ids: List[int], field: str, tool_grammar=None):
         n = len(prompt_ids)
-        if n >= self.max_model_len:
-            raise P.ProtocolError(f"prompt is {n} tokens; the model's context is {self.max_model_len}",
+        if n >= m.max_model_len:
+            raise P.ProtocolError(f"prompt is {n} tokens; the model's context is {m.max_model_len}",
                                   field, "context_length_exceeded")
-        return P.to_sampling_params(body, self.args.default_max_tokens, self.max_model_len, n, tool_grammar)
+        return P.to_sampling_params(body, self.args.default_max_tokens, m.max_model_len, n, tool_grammar)
 
-    async def _start(self, rid: str, prompt_ids: List[int], params):
-        """Send a request to a replica: its first output and the rest of the stream."""
-        hashes = page_hashes(prompt_ids, self.page_size)
-        payload = {"rid": rid, "prompt_ids": prompt_ids, "params": params.model_dump(), "page_hashes": hashes}
-        return await self._on_replica(payload, hashes, self._start_in)
+    async def _start(self, t: Target, rid: str, prompt_ids: List[int], params):
+        """Send a request to a replica of its model: its first output and the rest of the stream."""
+        hashes = t.model.page_hashes(prompt_ids, t.adapter)
+        payload = {"rid": rid, "prompt_ids": prompt_ids, "params": params.model_dump(), "page_hashes": hashes,
+                   "adapter": t.adapter}
+        name = t.model.name
+        self.residency.begin(name)  # in flight until the response is done with its stream
+        try:
+            first, stream = await self._on_replica(t.model, payload, hashes, self._start_in)
+        except BaseException:
+            self.residency.end(name)
+            raise
+        weakref.finalize(stream, self.residency.end, name)
+        return first, stream
 
-    async def _on_replica(self, payload: dict, hashes: List[int], call):
-        """`call(group, payload, hashes)` on the best replica that takes the request: a
+    async def _on_replica(self, m: ServedModel, payload: dict, hashes: List[int], call):
+        """`call(m, group, payload, hashes)` on the best replica of model `m` that takes the request: a
         replica that refuses it as overloaded is avoided in the next try (the router
         ranks it last), up to MAX_REPLICA_TRIES in a group, then the next group (when
         the app has several) is tried; the last refusal is the answer (429). Each try
         carries the time its client has left then: a refusal may come late (a request
         taken, then withdrawn), and a retry that believed it had the whole timeout would
         be taken for a client about to leave."""
-        groups = self.groups.ranked(hashes) if self.groups else list(self.generate)
+        groups = m.groups.ranked(hashes) if m.groups else list(m.generate)
         refusal = None
         for group in groups:
             avoid = []
             for _ in range(MAX_REPLICA_TRIES):
                 try:
                     try_payload = {**payload, "avoid_engines": avoid, "timeout_s": client_timeout.seconds_left()}
-                    return await call(group, try_payload, hashes)
+                    return await call(m, group, try_payload, hashes)
                 except BackPressureError:
                     refusal = refusal or Overloaded("the server is overloaded; retry later", self.args.retry_after_s)
                     break
@@ -286,29 +303,32 @@ class Ingress:
                     avoid.append(e.engine_id)
         raise refusal
 
-    async def _embed_in(self, group: str, payload: dict, hashes: List[int]) -> dict:
-        if self.groups:
-            self.groups.started(group, hashes)
+    async def _embed_in(self, m: ServedModel, group: str, payload: dict, hashes: List[int]) -> dict:
+        if m.groups:
+            m.groups.started(group, hashes)
         try:
-            result = await self.embed[group].remote(payload)
-        except BackPressureError:
+            result = await self._when_loaded(m, m.embed[group].remote(payload))
+        except (BackPressureError, P.ProtocolError):
             raise
         except Exception as e:  # noqa: BLE001 - the replica died or failed
             raise replica_failed(e)
         finally:
-            if self.groups:
-                self.groups.finished(group)
+            if m.groups:
+                m.groups.finished(group)
         if "error" in result:
             raise replica_error(result)
         return result
 
-    async def _start_in(self, group: str, payload: dict, hashes: List[int]):
-        stream = self.generate[group].remote(payload)
-        if self.groups:  # in flight until the response is done with its stream
-            self.groups.started(group, hashes)
-            weakref.finalize(stream, self.groups.finished, group)
+    async def _start_in(self, m: ServedModel, group: str, payload: dict, hashes: List[int]):
+        stream = m.generate[group].remote(payload)
+        if m.groups:  # in flight until the response is done with its stream
+            m.groups.started(group, hashes)
+            weakref.finalize(stream, m.groups.finished, group)
         try:
-            first = await stream.__anext__()
+            first = await self._when_loaded(m, stream.__anext__())
+        except P.ProtocolError:
+            stream.cancel()
+            raise
         except BackPressureError:
             raise
         except StopAsyncIteration:
@@ -321,6 +341,16 @@ class Ingress:
         if first.finish_reason == "error":
             raise engine_error(first)
         return first, stream
+
+    async def _when_loaded(self, m: ServedModel, first):
+        """Await a replica's first answer; for a model not loaded, within the client's
+        time left, else 503 + Retry-After (the model goes on loading for the next try)."""
+        if self.residency.loaded(m.name) is not False:
+            return await first
+        try:
+            return await asyncio.wait_for(first, client_timeout.seconds_left())
+        except asyncio.TimeoutError:
+            raise model_loading(m.name) from None
 
     @staticmethod
     async def _rest(first, stream) -> list:
@@ -341,31 +371,30 @@ class Ingress:
         raw = await request.body()
         if len(raw) > self.max_body_bytes:
             raise P.ProtocolError(f"the request body is {len(raw)} bytes; at most {self.max_body_bytes} are accepted "
-                                  f"(the model's context is {self.max_model_len} tokens)",
+                                  f"(the models' contexts are at most {self.max_body_bytes // BODY_BYTES_PER_TOKEN} tokens)",
                                   code="request_too_large", status=413)
         return raw
 
-    def _check_model(self, model: Optional[str]) -> None:
-        if model and model not in (self.model_name, self.args.model):
-            raise P.ProtocolError(f"model {model!r} does not exist; this server serves {self.model_name!r}",
-                                  "model", "model_not_found", status=404)
-
-    async def _serve(self, body, prompt_ids: List[int], kind: str, parser=None, tool_grammar=None, echo=None):
-        params = self._params(body, prompt_ids, "messages" if kind == "chat" else "prompt", tool_grammar)
+    async def _serve(self, t: Target, body, prompt_ids: List[int], kind: str, parser=None, tool_grammar=None,
+                     echo=None):
+        params = self._params(t.model, body, prompt_ids, "messages" if kind == "chat" else "prompt", tool_grammar)
         rid = P.random_id("chatcmpl" if kind == "chat" else "cmpl")
-        first, stream = await self._start(rid, prompt_ids, params)
-        decode = self._decode_token if params.logprobs else None
+        first, stream = await self._start(t, rid, prompt_ids, params)
+        tokenizer = t.model.tokenizer
+        decode = (lambda tok: tokenizer.decode([tok])) if params.logprobs else None
         if body.stream:
-            return StreamingResponse(self._sse(kind, first, stream, rid, decode, body.include_usage, parser, echo),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._sse(t.name, kind, first, stream, rid, decode, body.include_usage, parser,
+                                               echo), media_type="text/event-stream")
         outs = await self._rest(first, stream)
         if kind == "chat":
-            response = P.chat_completion(outs, self.model_name, decode, id=rid, parse=_whole(parser))
+            response = P.chat_completion(outs, t.name, decode, id=rid, parse=_whole(parser))
         else:
-            response = P.completion(outs, self.model_name, decode, id=rid, echo=echo)
+            response = P.completion(outs, t.name, decode, id=rid, echo=echo)
         return JSONResponse(response.model_dump(mode="json"))
 
-    async def _sse(self, kind, first, stream, rid, decode, include_usage, parser=None, echo=None) -> AsyncIterator[str]:
+    @staticmethod
+    async def _sse(model_name, kind, first, stream, rid, decode, include_usage, parser=None,
+                   echo=None) -> AsyncIterator[str]:
         created, outs, started, offsets = int(time.time()), [], set(), {}
         parsers: Dict[int, OutputParser] = {}
         try:
@@ -377,12 +406,12 @@ class Ingress:
                 outs.append(out)
                 if kind == "chat":
                     p = parsers.setdefault(out.index, parser()) if parser else None
-                    chunk = P.chat_chunk(out, rid, created, self.model_name, decode, first=out.index not in started,
+                    chunk = P.chat_chunk(out, rid, created, model_name, decode, first=out.index not in started,
                                          parsed=_piece(p, out), called=bool(p and p.num_calls))
                     started.add(out.index)
                 else:
                     fresh = out.index not in offsets
-                    chunk = P.completion_chunk(out, rid, created, self.model_name, decode, offsets.get(out.index, 0),
+                    chunk = P.completion_chunk(out, rid, created, model_name, decode, offsets.get(out.index, 0),
                                                echo if fresh else None)
                     offsets[out.index] = offsets.get(out.index, 0) + len(chunk.choices[0].text)
                 yield f"data: {chunk.model_dump_json()}\n\n"
@@ -395,7 +424,7 @@ class Ingress:
                     return  # no usage, no [DONE]: the stream did not complete
             if include_usage:
                 cls = P.ChatCompletionChunk if kind == "chat" else P.Completion
-                tail = cls(id=rid, created=created, model=self.model_name, choices=[], usage=P.usage(outs))
+                tail = cls(id=rid, created=created, model=model_name, choices=[], usage=P.usage(outs))
                 yield f"data: {tail.model_dump_json()}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -436,8 +465,17 @@ class Ingress:
         finally:
             stream.cancel()
 
-    def _decode_token(self, tok: int) -> str:
-        return self.tokenizer.decode([tok])
+
+
+def parser_factory(m: ServedModel, prompt_ids: List[int], tools):
+    """Makes a sample's OutputParser (reasoning, content, tool calls); None when the
+    model has no thinking markers and there are no tools: the text is all content."""
+    if m.harmony:
+        return HarmonyParser
+    if not (m.think or tools):
+        return None
+    in_reasoning = starts_in_reasoning(m.tokenizer, prompt_ids)
+    return lambda: OutputParser(m.think, m.call_format, tools, in_reasoning)
 
 
 def _whole(parser):

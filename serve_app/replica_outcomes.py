@@ -34,3 +34,11 @@ class Overloaded(P.ProtocolError):
         super().__init__(message, code="overloaded", status=429)
         self.retry_after, self.engine_id = max(1, math.ceil(retry_after_s)), engine_id
         self.headers = {"Retry-After": str(self.retry_after)}
+
+
+def model_loading(name: str, retry_after_s: float = 10) -> "P.ProtocolError":
+    """503 with Retry-After: the model was not loaded, and did not load within the client's timeout."""
+    e = P.ProtocolError(f"model {name!r} is loading and was not ready within the request's timeout; retry later",
+                        code="model_loading", status=503)
+    e.headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+    return e

@@ -26,10 +26,11 @@ def test_a_retry_after_a_late_refusal_carries_the_time_its_client_has_left():
     """A replica's refusal can come late: a request taken, then withdrawn once it can no
     longer finish. The ingress's next try must carry the time the client has left by
     then, not its whole timeout, or a replica takes it for a client about to leave."""
-    ingress = SimpleNamespace(groups=None, generate={"replicas": None})  # for its retry loop alone
+    ingress = SimpleNamespace(args=SimpleNamespace(retry_after_s=1))  # for its retry loop alone
+    model = SimpleNamespace(groups=None, generate={"replicas": None})
     sent = []
 
-    async def replica_call(group, payload, hashes):
+    async def replica_call(m, group, payload, hashes):
         sent.append((payload["timeout_s"], list(payload["avoid_engines"])))
         if len(sent) == 1:
             await asyncio.sleep(0.5)
@@ -38,7 +39,7 @@ def test_a_retry_after_a_late_refusal_carries_the_time_its_client_has_left():
 
     async def main():
         client_timeout.start({"x-request-timeout": "10"})
-        return await Ingress.func_or_class._on_replica(ingress, {"rid": "r"}, [], replica_call)
+        return await Ingress.func_or_class._on_replica(ingress, model, {"rid": "r"}, [], replica_call)
 
     assert asyncio.run(main()) == "taken"
     (first, avoided_first), (retry, avoided_retry) = sent

@@ -79,7 +79,7 @@ def test_every_ray_start_is_a_macos_cluster_node_with_the_mac_resource(kind):
         assert re.search(r"export [^;]*\bRAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1\b", before), cmd
         assert re.search(r"export [^;]*\bRAY_ENABLE_MAC_LARGE_OBJECT_STORE=1\b", before), cmd
         assert flag(cmd, "node-ip-address") not in ("", "127.0.0.1", "0.0.0.0")
-        assert json.loads(flag(cmd, "resources")) == {"mac": 1}
+        assert flag(cmd, "resources") == '{"mac": 1, "mac_memory_gb": $MEM_GB}'  # GB of unified memory (sysctl)
         assert flag(cmd, "metrics-export-port").isdigit()
         if kind == "worker":
             assert flag(cmd, "address") == "$RAY_HEAD_IP:6379"
@@ -100,6 +100,7 @@ def test_commands_run_through_the_launchers_wrapping(tmp_path):
     home, bin_ = tmp_path / "home", tmp_path / "bin"
     home.mkdir(), bin_.mkdir()
     (bin_ / "ipconfig").write_text("#!/bin/sh\n[ \"$1 $2\" = 'getifaddr en0' ] && echo 192.168.1.42\n")
+    (bin_ / "sysctl").write_text("#!/bin/sh\n[ \"$1 $2\" = '-n hw.memsize' ] && echo 206158430208\n")  # 192 GiB
     (bin_ / "ray").write_text(
         f"#!{sys.executable}\nimport json, os, sys\n"
         f"with open({str(tmp_path / 'calls.jsonl')!r}, 'a') as f:\n"
@@ -127,7 +128,7 @@ def test_commands_run_through_the_launchers_wrapping(tmp_path):
         argv, env_seen = starts[0]["argv"], starts[0]["env"]
         assert env_seen == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_ENABLE_MAC_LARGE_OBJECT_STORE": "1"}
         assert "--node-ip-address=192.168.1.42" in argv
-        assert '--resources={"mac": 1}' in argv
+        assert '--resources={"mac": 1, "mac_memory_gb": 192}' in argv
         if kind == "head":
             assert "--head" in argv and "--dashboard-host=192.168.1.42" in argv
         else:

@@ -1,6 +1,7 @@
 """The replica deployment: one MLX engine per Mac, streaming outputs to the ingress."""
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Dict, Optional
@@ -11,6 +12,8 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 
 from .rank_group import RankGroup
+
+logger = logging.getLogger("ray.serve")
 
 REPORT_ALL_PAGES = 4096
 
@@ -72,6 +75,8 @@ class ReplicaMetrics:
         self.running = Gauge("macfarm_running_requests", description="Requests in the engine's running batch.")
         self.waiting = Gauge("macfarm_waiting_requests", description="Requests waiting for admission.")
         self.kv_used = Gauge("macfarm_kv_pages_used_fraction", description="Fraction of KV pool pages in use.")
+        self.load_s = Gauge("macfarm_model_load_seconds",
+                            description="How long this replica took to load its model and build its engine.")
         self.hit_rate = Gauge("macfarm_prefix_cache_hit_rate",
                               description="Prompt tokens found in the prefix cache / prompt tokens looked up, since start.")
         self._seen = {"preemptions": 0, "evictions": 0, "decode_steps_staged": 0, "decode_steps_gathered": 0,
@@ -114,6 +119,7 @@ class EngineReplica:
 
     def __init__(self, engine_config: Dict[str, Any]):
         config = EngineConfig(**engine_config)
+        loading = time.perf_counter()
         self.group = None
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:  # rank 0 of a group of Macs
             self.group = RankGroup(config)
@@ -122,14 +128,20 @@ class EngineReplica:
             self.engine = Engine(config)
         self.engine_id = uuid.uuid4().hex[:12]  # changes when the replica restarts
         self.metrics = ReplicaMetrics()
+        self.load_s = time.perf_counter() - loading
+        self.metrics.load_s.set(self.load_s)
+        self.evict_asked = False  # the ingress asked it to give its Mac to another model (models/residency.py)
+        logger.info(f"model {config.model or 'default'} loaded in {self.load_s:.1f} s")
 
     async def generate(self, request: Dict[str, Any]) -> AsyncIterator[Any]:
         """request: {"rid", "prompt_ids", "params": SamplingParams dict, "page_hashes",
         "timeout_s"}. Yields RequestOutputs; an error before any output is a dict
         ({"error", "status", ...}: a refusal names this engine and when to retry)."""
         start = time.perf_counter()
+        self.evict_asked = False  # in use again
         req = Request(rid=request["rid"], prompt_ids=request["prompt_ids"],
-                      params=SamplingParams(**request["params"]), timeout_s=request.get("timeout_s"))
+                      params=SamplingParams(**request["params"]), timeout_s=request.get("timeout_s"),
+                      adapter=request.get("adapter"))
         m = self.metrics
         last: Dict[int, float] = {}  # sample index -> when its previous delta came
         first = last_out = None
@@ -173,7 +185,8 @@ class EngineReplica:
         async def one(i, ids):
             last = None
             async for out in self.engine.generate(Request(rid=f"{request['rid']}-{i}", prompt_ids=ids, params=params,
-                                                          timeout_s=request.get("timeout_s"))):
+                                                          timeout_s=request.get("timeout_s"),
+                                                          adapter=request.get("adapter"))):
                 last = out
             return last
 
@@ -208,6 +221,20 @@ class EngineReplica:
                     m.cached_tokens.inc(out.num_cached_tokens)
         except Exception:  # noqa: BLE001 - metrics must never break a stream
             pass
+
+    def evict(self) -> None:
+        """Unload when idle: the autoscaling policy (models/residency.py) then scales this
+        model down; a request arriving first keeps it."""
+        self.evict_asked = True
+
+    def record_autoscaling_stats(self) -> Dict[str, float]:
+        """Serve's custom autoscaling metrics: `evict` 1 while asked to unload and idle."""
+        st = self.engine.stats()
+        return {"evict": float(self.evict_asked and not (st["running"] or st["waiting"]))}
+
+    def resident_adapters(self) -> list:
+        adapters = self.engine.stats().get("adapters")
+        return adapters["resident"] if adapters else []
 
     def stats(self) -> Dict[str, Any]:
         st = self.engine.stats()
