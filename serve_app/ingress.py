@@ -1,10 +1,8 @@
 """The ingress deployment: OpenAI HTTP API -> tokens -> a replica stream -> SSE/JSON."""
 
 import asyncio
-import json
-import time
 import weakref
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,12 +20,13 @@ from .api import protocol as P
 from .api import responses as R
 from .api import tools as T
 from .api.harmony import HarmonyParser
-from .api.output_parser import OutputParser, Parsed, starts_in_reasoning
+from .api.output_parser import OutputParser, starts_in_reasoning
 from .config import AppArgs
 from .models.catalog import Catalog, Target
 from .models.residency import Residency
 from .models.served_model import ServedModel
 from .replica_outcomes import Overloaded, engine_error, model_loading, replica_error, replica_failed
+from .sse import completion_events, whole, writer_events
 
 api = FastAPI(title="macfarm", description="OpenAI-compatible LLM serving on a Mac farm")
 
@@ -141,8 +140,8 @@ class Ingress:
                                                                  P.random_id("msg", "_"))
         if body.stream:
             writer = A.StreamWriter(t.name, rid)
-            return StreamingResponse(self._writer_sse(first, stream, parser, writer, A), media_type="text/event-stream")
-        message = A.message(await self._rest(first, stream), t.name, rid, _whole(parser))
+            return StreamingResponse(writer_events(first, stream, parser, writer, A), media_type="text/event-stream")
+        message = A.message(await self._rest(first, stream), t.name, rid, whole(parser))
         return JSONResponse(message.model_dump(mode="json", exclude_unset=True))
 
     @api.post("/v1/responses")
@@ -151,8 +150,8 @@ class Ingress:
         t, body, rid, parser, first, stream = await self._mapped(request, R.ResponsesRequest, "input", R.new_id("resp"))
         if body.stream:
             writer = R.StreamWriter(body, t.name, rid)
-            return StreamingResponse(self._writer_sse(first, stream, parser, writer, R), media_type="text/event-stream")
-        response = R.response(body, await self._rest(first, stream), t.name, rid, _whole(parser))
+            return StreamingResponse(writer_events(first, stream, parser, writer, R), media_type="text/event-stream")
+        response = R.response(body, await self._rest(first, stream), t.name, rid, whole(parser))
         return JSONResponse(response.model_dump(mode="json", exclude_none=True))
 
     @api.post("/v1/messages/count_tokens")
@@ -383,88 +382,14 @@ class Ingress:
         tokenizer = t.model.tokenizer
         decode = (lambda tok: tokenizer.decode([tok])) if params.logprobs else None
         if body.stream:
-            return StreamingResponse(self._sse(t.name, kind, first, stream, rid, decode, body.include_usage, parser,
+            return StreamingResponse(completion_events(t.name, kind, first, stream, rid, decode, body.include_usage, parser,
                                                echo), media_type="text/event-stream")
         outs = await self._rest(first, stream)
         if kind == "chat":
-            response = P.chat_completion(outs, t.name, decode, id=rid, parse=_whole(parser))
+            response = P.chat_completion(outs, t.name, decode, id=rid, parse=whole(parser))
         else:
             response = P.completion(outs, t.name, decode, id=rid, echo=echo)
         return JSONResponse(response.model_dump(mode="json"))
-
-    @staticmethod
-    async def _sse(model_name, kind, first, stream, rid, decode, include_usage, parser=None,
-                   echo=None) -> AsyncIterator[str]:
-        created, outs, started, offsets = int(time.time()), [], set(), {}
-        parsers: Dict[int, OutputParser] = {}
-        try:
-            out = first
-            while True:
-                if out.finish_reason == "error":  # the engine failed this request mid-stream: say so, end
-                    yield f"data: {json.dumps(engine_error(out).body())}\n\n"
-                    return
-                outs.append(out)
-                if kind == "chat":
-                    p = parsers.setdefault(out.index, parser()) if parser else None
-                    chunk = P.chat_chunk(out, rid, created, model_name, decode, first=out.index not in started,
-                                         parsed=_piece(p, out), called=bool(p and p.num_calls))
-                    started.add(out.index)
-                else:
-                    fresh = out.index not in offsets
-                    chunk = P.completion_chunk(out, rid, created, model_name, decode, offsets.get(out.index, 0),
-                                               echo if fresh else None)
-                    offsets[out.index] = offsets.get(out.index, 0) + len(chunk.choices[0].text)
-                yield f"data: {chunk.model_dump_json()}\n\n"
-                try:
-                    out = await stream.__anext__()
-                except StopAsyncIteration:
-                    break
-                except Exception as e:  # noqa: BLE001 - the replica died mid-stream: say so, end
-                    yield f"data: {json.dumps(replica_failed(e).body())}\n\n"
-                    return  # no usage, no [DONE]: the stream did not complete
-            if include_usage:
-                cls = P.ChatCompletionChunk if kind == "chat" else P.Completion
-                tail = cls(id=rid, created=created, model=model_name, choices=[], usage=P.usage(outs))
-                yield f"data: {tail.model_dump_json()}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            stream.cancel()  # no-op when finished; aborts the engine request on disconnect
-
-    async def _pieces(self, first, stream, parser) -> AsyncIterator[tuple]:
-        """(output, what it adds) for each streamed output of a one-sample request; a
-        ProtocolError in place of the piece when the engine or the replica fails it."""
-        parser = parser() if parser else None
-        out = first
-        while True:
-            if out.finish_reason == "error":
-                yield out, engine_error(out)
-                return
-            yield out, _piece(parser, out)
-            if out.finished:
-                return
-            try:
-                out = await stream.__anext__()
-            except StopAsyncIteration:
-                return
-            except Exception as e:  # noqa: BLE001 - the replica died mid-stream
-                yield None, replica_failed(e)
-                return
-
-    async def _writer_sse(self, first, stream, parser, writer, module) -> AsyncIterator[str]:
-        """One sample's stream through an API's event writer (`module`: api.anthropic_messages or
-        api.responses: its StreamWriter's events, `sse` and `error_event`)."""
-        try:
-            for event in writer.start(first):
-                yield module.sse(event)
-            async for out, piece in self._pieces(first, stream, parser):
-                if isinstance(piece, P.ProtocolError):
-                    yield module.error_event(piece.status, piece.message)
-                    return
-                for event in writer.events(piece) + (list(writer.finish(out)) if out.finished else []):
-                    yield module.sse(event)
-        finally:
-            stream.cancel()
-
 
 
 def parser_factory(m: ServedModel, prompt_ids: List[int], tools):
@@ -476,18 +401,6 @@ def parser_factory(m: ServedModel, prompt_ids: List[int], tools):
         return None
     in_reasoning = starts_in_reasoning(m.tokenizer, prompt_ids)
     return lambda: OutputParser(m.think, m.call_format, tools, in_reasoning)
-
-
-def _whole(parser):
-    """A whole sample's text -> Parsed, with a fresh parser (None: all content)."""
-    return (lambda out: parser().whole(out.text, out.finish_reason)) if parser else None
-
-
-def _piece(parser: Optional[OutputParser], out) -> Parsed:
-    """What one streamed output adds (all of the rest when it is the last)."""
-    if parser is None:
-        return Parsed(out.text)
-    return parser.feed(out.text) + (parser.finish(out.finish_reason) if out.finished else Parsed())
 
 
 Ingress = serve.deployment(serve.ingress(api)(Ingress), name="Ingress")

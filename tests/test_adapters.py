@@ -32,9 +32,47 @@ def farm(tmp_path_factory):
     return root, base, adapters
 
 
+@pytest.fixture(scope="module")
+def peft(farm):
+    """PEFT copies of the mlx-lm adapters, each named after the one it equals: target_modules
+    as a list and as a regex, DoRA (lora_magnitude_vector), and use_rslora (alpha / sqrt(r),
+    with the alpha to match)."""
+    root, _, adapters = farm
+    rslora = mlx_adapter_as_peft(adapters["qv"], root / "peft-rslora", ["q_proj", "v_proj"])
+    cfg = json.loads((rslora / "adapter_config.json").read_text())
+    cfg.update(use_rslora=True, lora_alpha=cfg["lora_alpha"] / cfg["r"] ** 0.5)
+    (rslora / "adapter_config.json").write_text(json.dumps(cfg))
+    return {
+        "qv-peft": ("qv", mlx_adapter_as_peft(adapters["qv"], root / "peft-list", ["q_proj", "v_proj"])),
+        "qv-peft-regex": ("qv", mlx_adapter_as_peft(adapters["qv"], root / "peft-regex",
+                                                    r"model\.layers\.\d+\.self_attn\.(q|v)_proj")),
+        "dora-peft": ("dora", mlx_adapter_as_peft(adapters["dora"], root / "peft-dora", ["q_proj", "up_proj"])),
+        "qv-rslora": ("qv", rslora),
+    }
+
+
+@pytest.fixture(scope="module")
+def engine(farm, peft):
+    """One engine for all of them: three slots for seven adapters (the others wait for a
+    slot, then take the least recently used one), prompts chunked 16 tokens at a time."""
+    _, base, adapters = farm
+    paths = {**{n: str(p) for n, p in adapters.items()}, **{n: str(p) for n, (_, p) in peft.items()}}
+    engine = Engine(EngineConfig(model=str(base), adapters=paths, max_loaded_adapters=3, max_batched_tokens=16,
+                                 step_budget="tokens"))
+    yield engine
+    engine.shutdown()
+
+
+_REFS = {}
+
+
 def _reference(base, adapter_dir, prompts=PROMPTS):
-    model, _ = load(str(base), adapter_path=None if adapter_dir is None else str(adapter_dir))
-    return [reference_greedy(model, p, MAX_TOKENS) for p in prompts]
+    """mlx-lm's own greedy tokens with the adapter loaded (`mlx_lm.load(adapter_path=...)`)."""
+    key = (str(base), str(adapter_dir), tuple(map(tuple, prompts)))
+    if key not in _REFS:
+        model, _ = load(str(base), adapter_path=None if adapter_dir is None else str(adapter_dir))
+        _REFS[key] = [reference_greedy(model, p, MAX_TOKENS) for p in prompts]
+    return _REFS[key]
 
 
 def _request(rid, prompt, adapter=None):
@@ -42,78 +80,44 @@ def _request(rid, prompt, adapter=None):
                    params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0))
 
 
-def _run(engine, jobs):
+def _run(engine, jobs, tag="r"):
     """jobs: [(adapter, prompt)] run concurrently -> [(tokens, last output)]."""
     async def main():
-        return await asyncio.gather(*[collect(engine, _request(f"r{i}", p, a)) for i, (a, p) in enumerate(jobs)])
+        return await asyncio.gather(*[collect(engine, _request(f"{tag}{i}", p, a)) for i, (a, p) in enumerate(jobs)])
     return asyncio.run(main())
 
 
-def test_mixed_adapters_in_one_batch_equal_mlx_lm(farm):
-    """The base and three adapters (LoRA, LoRA on the last layer only, DoRA) in one batch,
-    two slots (the third adapter waits for one, then takes the least recently used),
-    prompts chunked 16 tokens at a time."""
+def test_mixed_adapters_in_one_batch_equal_mlx_lm(farm, engine):
+    """The base and three adapters (LoRA, LoRA on the last layer only, DoRA) in one batch."""
     _, base, adapters = farm
-    refs = {name: _reference(base, adapters.get(name)) for name in [None, *adapters]}
-    engine = Engine(EngineConfig(model=str(base), adapters={n: str(p) for n, p in adapters.items()},
-                                 max_loaded_adapters=2, max_batched_tokens=16, step_budget="tokens"))
-    try:
-        jobs = [(name, p) for name in [None, *adapters] for p in PROMPTS]
-        results = _run(engine, jobs)
-        for (name, p), (tokens, last) in zip(jobs, results):
-            assert last.error is None, last.error
-            assert tokens == refs[name][PROMPTS.index(p)], name
-        stats = engine.stats()["adapters"]
-        assert stats["capacity"] == 2 and len(stats["resident"]) == 2 and stats["loads"] >= 3
-    finally:
-        engine.shutdown()
+    jobs = [(name, p) for name in [None, *adapters] for p in PROMPTS]
+    for (name, p), (tokens, last) in zip(jobs, _run(engine, jobs, "mixed")):
+        assert last.error is None, last.error
+        assert tokens == _reference(base, adapters.get(name))[PROMPTS.index(p)], name
 
 
-def test_prefix_pages_are_keyed_by_adapter(farm):
+def test_peft_adapters_equal_the_same_weights_in_mlx_lm_format(farm, peft, engine):
+    """Seven adapters through three slots: each waits for one, and all equal mlx-lm."""
+    _, base, adapters = farm
+    jobs = [(name, p) for name in peft for p in PROMPTS] + [(name, PROMPTS[0]) for name in adapters]
+    for (name, p), (tokens, last) in zip(jobs, _run(engine, jobs, "peft")):
+        twin = adapters[peft[name][0]] if name in peft else adapters[name]
+        assert last.error is None and tokens == _reference(base, twin)[PROMPTS.index(p)], name
+    stats = engine.stats()["adapters"]
+    assert stats["capacity"] == 3 and len(stats["resident"]) == 3 and stats["loads"] >= 7
+
+
+def test_prefix_pages_are_keyed_by_adapter(farm, engine):
     """A prompt's pages computed under one adapter are a prefix hit for that adapter only."""
     _, base, adapters = farm
     prompt = list(range(100, 164))
     ref = {n: _reference(base, adapters.get(n), [prompt])[0] for n in (None, "qv")}
-    engine = Engine(EngineConfig(model=str(base), adapters={"qv": str(adapters["qv"])}))
-    try:
-        first, = _run(engine, [("qv", prompt)])
-        base_run, = _run(engine, [(None, prompt)])
-        again, = _run(engine, [("qv", prompt)])
-        assert first[0] == again[0] == ref["qv"] and base_run[0] == ref[None]
-        assert base_run[1].num_cached_tokens == 0  # the adapter's pages are not the base's
-        assert again[1].num_cached_tokens >= 48
-    finally:
-        engine.shutdown()
-
-
-@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], r"model\.layers\.\d+\.self_attn\.(q|v)_proj"])
-def test_peft_adapter_equals_the_same_weights_in_mlx_lm_format(farm, targets):
-    root, base, adapters = farm
-    peft = mlx_adapter_as_peft(adapters["qv"], root / f"peft-{isinstance(targets, str)}", targets)
-    engine = Engine(EngineConfig(model=str(base), adapters={"qv-peft": str(peft)}))
-    try:
-        results = _run(engine, [("qv-peft", p) for p in PROMPTS])
-        assert [t for t, _ in results] == _reference(base, adapters["qv"])
-    finally:
-        engine.shutdown()
-
-
-def test_peft_dora_and_rslora(farm):
-    """PEFT's DoRA (lora_magnitude_vector) equals mlx-lm's DoRA; use_rslora scales by
-    alpha / sqrt(r), which, with the alpha to match, gives the same tokens."""
-    root, base, adapters = farm
-    dora = mlx_adapter_as_peft(adapters["dora"], root / "peft-dora", ["q_proj", "up_proj"])
-    rslora = mlx_adapter_as_peft(adapters["qv"], root / "peft-rslora", ["q_proj", "v_proj"])
-    cfg = json.loads((rslora / "adapter_config.json").read_text())
-    cfg.update(use_rslora=True, lora_alpha=cfg["lora_alpha"] / cfg["r"] ** 0.5)
-    (rslora / "adapter_config.json").write_text(json.dumps(cfg))
-    engine = Engine(EngineConfig(model=str(base), adapters={"d": str(dora), "rs": str(rslora)}))
-    try:
-        results = _run(engine, [("d", p) for p in PROMPTS] + [("rs", p) for p in PROMPTS])
-        tokens = [t for t, _ in results]
-        assert tokens[:3] == _reference(base, adapters["dora"]) and tokens[3:] == _reference(base, adapters["qv"])
-    finally:
-        engine.shutdown()
+    (first, _), = _run(engine, [("qv", prompt)], "p1")
+    (base_tokens, base_last), = _run(engine, [(None, prompt)], "p2")
+    (again, again_last), = _run(engine, [("qv", prompt)], "p3")
+    assert first == again == ref["qv"] and base_tokens == ref[None]
+    assert base_last.num_cached_tokens == 0  # the adapter's pages are not the base's
+    assert again_last.num_cached_tokens >= 48
 
 
 def _broken(root, name, edit):
@@ -157,15 +161,11 @@ def test_a_wrong_adapter_fails_the_start_with_its_name(farm, edit, message):
     assert "'bad'" in str(e.value)
 
 
-def test_missing_adapter_directory_and_unknown_adapter(farm, tmp_path):
-    root, base, adapters = farm
+def test_missing_adapter_directory_and_unknown_adapter(farm, engine, tmp_path):
+    _, base, _ = farm
     with pytest.raises(AdapterError, match="no adapter_config.json"):
         Engine(EngineConfig(model=str(base), adapters={"gone": str(tmp_path / "nothing")}))
-    engine = Engine(EngineConfig(model=str(base), adapters={"qv": str(adapters["qv"])}))
-    try:
-        with pytest.raises(ValueError, match="adapter 'nope' is not served"):
-            _run(engine, [("nope", PROMPTS[0])])
-        (tokens, last), = _run(engine, [(None, PROMPTS[1])])  # the engine goes on
-        assert last.error is None and len(tokens) == MAX_TOKENS
-    finally:
-        engine.shutdown()
+    with pytest.raises(ValueError, match="adapter 'nope' is not served"):
+        _run(engine, [("nope", PROMPTS[0])], "u")
+    (tokens, last), = _run(engine, [(None, PROMPTS[1])], "v")  # the engine goes on
+    assert last.error is None and len(tokens) == MAX_TOKENS
