@@ -32,10 +32,11 @@ from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 from mlx_lm import load as mlx_load  # noqa: E402
 from mlx_lm import stream_generate  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
-from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
+from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters  # noqa: E402
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
 from mlx_worker.models.gguf import resolve_model  # noqa: E402
+from mlx_worker.models.loader import load_model  # noqa: E402
 from common import table  # noqa: E402
 from engine import batch_generator_schedule  # noqa: E402  (benchmarks/engine.py)
 from traffic import Trace, schedule, summarize  # noqa: E402
@@ -55,7 +56,7 @@ def make_adapters(base: str, n: int, root: Path) -> list:
         lora = {"rank": RANK, "scale": 2.0, "dropout": 0.0, "keys": KEYS}
         linear_to_lora_layers(model, len(model.layers), lora)
         weights = {k: (mx.random.normal(v.shape) * 0.02 if k.endswith("lora_b") else v)
-                   for k, v in tree_flatten(model.trainable_parameters())}
+                   for k, v in tree_flatten(model.trainable_parameters()) if k.endswith(("lora_a", "lora_b"))}
         path = root / f"adapter{i}"
         path.mkdir()
         mx.save_safetensors(str(path / "adapters.safetensors"), weights)
@@ -83,7 +84,7 @@ def engine_churn(base, adapters, n, sched, args):
     """The schedule through an engine serving the first n adapters (0: the base alone)."""
     paths = {f"a{i}": str(p) for i, p in enumerate(adapters[:n])}
     engine = Engine(EngineConfig(model=base, adapters=paths, max_loaded_adapters=max(1, n),
-                                 max_total_tokens=args.pool))
+                                 max_total_tokens=args.pool, dtype=args.dtype))
     try:
         names = [f"a{i % n}" if n else None for i in range(len(sched))]
         asyncio.run(_run(engine, sched[:2], names[:2], "warm"))
@@ -92,14 +93,16 @@ def engine_churn(base, adapters, n, sched, args):
         engine.shutdown()
 
 
-def fused(base, adapter):
-    model, tok = mlx_load(base, adapter_path=str(adapter))
+def fused(base, adapter, dtype):
+    """mlx-lm's model with the adapter fused into its weights, in the engine's dtype."""
+    model, _ = load_model(base, dtype)
+    load_adapters(model, str(adapter))
     fused_layers = [(n, m.fuse()) for n, m in model.named_modules() if hasattr(m, "fuse")]
     model.update_modules(tree_unflatten(fused_layers))
     return model
 
 
-def reload_per_adapter(base, adapters, n, sched):
+def reload_per_adapter(base, adapters, n, sched, dtype):
     """mlx_lm.server with several adapters: one at a time, reloaded whenever the next
     request (in arrival order) names another; batch 1."""
     trace = Trace.begin(time.perf_counter(), sched)
@@ -108,20 +111,21 @@ def reload_per_adapter(base, adapters, n, sched):
     for i, a in enumerate(sched):
         time.sleep(max(0.0, trace.arrivals[i] - time.perf_counter()))
         want = i % n
-        if want != loaded:
-            model, tok = mlx_load(base, adapter_path=str(adapters[want]))
+        if want != loaded:  # mlx_lm.server loads base + adapter again
+            model, tok = load_model(base, dtype)
+            load_adapters(model, str(adapters[want]))
             loaded, reloads = want, reloads + 1
         for r in stream_generate(model, tok, a.prompt, max_tokens=a.max_tokens, sampler=greedy):
             trace.tokens[i].append(time.perf_counter())
     return summarize(trace), reloads
 
 
-def loading(base, adapters):
+def loading(base, adapters, dtype):
     t = time.perf_counter()
-    mlx_load(base)
+    load_model(base, dtype)
     load_s = time.perf_counter() - t
     t = time.perf_counter()
-    engine = Engine(EngineConfig(model=base, adapters={"a0": str(adapters[0])}, max_total_tokens=8192))
+    engine = Engine(EngineConfig(model=base, adapters={"a0": str(adapters[0])}, max_total_tokens=8192, dtype=dtype))
     built = time.perf_counter()
 
     async def first(adapter):
@@ -143,6 +147,7 @@ def loading(base, adapters):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF id, mlx-lm dir or .gguf (default: embedded SmolLM2-135M)")
+    ap.add_argument("--dtype", default="auto", help="the engine's and the peers' (auto: float32 on a CPU)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rate", type=float, default=0.5, help="arrivals per second")
     ap.add_argument("--prompt", type=int, nargs=2, default=[16, 1024], help="prompt tokens, LO HI")
@@ -168,18 +173,18 @@ def main():
             rows.append([f"macfarm, {n} adapters" if n else "macfarm, base alone", s["tok_s"], s["tok_s"] / base_s["tok_s"],
                          1e3 * s["ttft_p50"], 1e3 * s["itl_p50"], 1e3 * s["itl_p95"]])
             print(rows[-1], flush=True)
-        s = summarize(batch_generator_schedule(fused(base, adapters[0]), sched))
+        s = summarize(batch_generator_schedule(fused(base, adapters[0], args.dtype), sched))
         rows.append(["mlx-lm BatchGenerator, 1 adapter fused", s["tok_s"], s["tok_s"] / base_s["tok_s"],
                      1e3 * s["ttft_p50"], 1e3 * s["itl_p50"], 1e3 * s["itl_p95"]])
         print(rows[-1], flush=True)
         n = max(args.adapters)
-        s, reloads = reload_per_adapter(base, adapters, n, sched)
+        s, reloads = reload_per_adapter(base, adapters, n, sched, args.dtype)
         rows.append([f"mlx_lm.server way, {n} adapters ({reloads} reloads)", s["tok_s"], s["tok_s"] / base_s["tok_s"],
                      1e3 * s["ttft_p50"], 1e3 * s["itl_p50"], 1e3 * s["itl_p95"]])
         print("\n" + table(["system", "tok/s", "x base", "TTFT p50 ms", "ITL p50 ms", "ITL p95 ms"], rows))
-        load_s, build_s, cold, ttft, ttft_a, warm_a = loading(base, adapters)
+        load_s, build_s, cold, ttft, ttft_a, warm_a = loading(base, adapters, args.dtype)
     print("\n" + table(["loading", "seconds"], [
-        ["mlx_lm.load from disk", load_s], ["engine built (load + pool + probes)", build_s],
+        ["mlx_lm.load from disk (and the dtype cast)", load_s], ["engine built (load + pool + probes)", build_s],
         ["first token of a model not resident (build + first request)", cold], ["first request, base (100 tokens)", ttft],
         ["first request under an adapter not resident (loads it)", ttft_a],
         ["next request under that adapter", warm_a]]))

@@ -169,3 +169,34 @@ def test_missing_adapter_directory_and_unknown_adapter(farm, engine, tmp_path):
         _run(engine, [("nope", PROMPTS[0])], "u")
     (tokens, last), = _run(engine, [(None, PROMPTS[1])], "v")  # the engine goes on
     assert last.error is None and len(tokens) == MAX_TOKENS
+
+
+def test_adapters_on_a_quantized_base(farm):
+    """On a Mac the base stays quantized: the LoRA layers wrap QuantizedLinear as mlx-lm's
+    own do (LoRA and DoRA), and equal mlx-lm with the adapter loaded on the same weights."""
+    import mlx.nn as nn
+    from mlx_lm.tuner.utils import load_adapters
+
+    _, base, adapters = farm
+
+    def quantized():
+        model, tok = load(str(base))
+        nn.quantize(model, group_size=32, bits=4)
+        mx.eval(model.parameters())
+        return model, tok
+
+    refs = {}
+    for name in ("qv", "dora"):
+        model, _ = quantized()
+        load_adapters(model, str(adapters[name]))
+        refs[name] = [reference_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+    model, tok = quantized()
+    base_ref = [reference_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+    engine = Engine(EngineConfig(adapters={n: str(adapters[n]) for n in refs}, dtype="quantized"),
+                    model=model, tokenizer=tok)
+    try:
+        jobs = [(name, p) for name in (None, *refs) for p in PROMPTS]
+        for (name, p), (tokens, _) in zip(jobs, _run(engine, jobs, "q")):
+            assert tokens == (refs[name] if name else base_ref)[PROMPTS.index(p)], name
+    finally:
+        engine.shutdown()

@@ -24,6 +24,7 @@ from ray.util.state import list_actors
 from serve_fixtures import ENGINE, free_port, run_app, stop_farm, stop_serve
 from tiny_models import mlx_adapter_as_peft, save_tiny_adapter, save_tiny_model
 
+from mlx_worker.memory.paging import adapter_root
 from mlx_worker.models.gguf import default_model_path
 from serve_app.app import build_app
 
@@ -114,6 +115,15 @@ def test_requests_go_to_the_model_they_name_and_answer_as_mlx_lm(farm, client):
         assert r.model == sent
         # coder-acme is served from PEFT's format; mlx-lm loads the same weights in its own
         assert r.choices[0].text == _greedy(paths["coder"], prompt, 10, adapters.get(adapter)), sent
+
+
+def test_a_replica_reports_its_resident_adapters_to_the_router(farm):
+    """The root of each resident adapter's hash chain is among the pages a replica reports,
+    and leads the hashes the ingress sends: a prompt no replica has cached still goes to
+    one that has its adapter loaded."""
+    stats = serve.get_deployment_handle("MLXReplica_coder", "team").options(
+        method_name="record_routing_stats").remote().result()
+    assert {adapter_root("coder-sql"), adapter_root("coder-acme")} <= set(stats["cached_page_hashes"])
 
 
 def test_the_base_and_two_adapters_stream_together(farm):

@@ -48,5 +48,10 @@ class ServedModel:
 
     def page_hashes(self, prompt_ids: List[int], adapter: Optional[str]) -> List[int]:
         """The router's page hashes of a prompt, chained from its adapter's root as the
-        engine's are (a replica holds an adapter's pages apart from the base's)."""
-        return page_hashes(prompt_ids, self.page_size, adapter_root(adapter))
+        engine's are (a replica holds an adapter's pages apart from the base's). Under an
+        adapter the root comes first: replicas report the roots of their resident
+        adapters with their pages, so a prompt none has cached still goes where its
+        adapter is loaded."""
+        root = adapter_root(adapter)
+        hashes = page_hashes(prompt_ids, self.page_size, root)
+        return hashes if root is None else [root, *hashes]

@@ -10,6 +10,7 @@ from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
+from mlx_worker.memory.paging import adapter_root
 
 from .rank_group import RankGroup
 
@@ -257,6 +258,8 @@ class EngineReplica:
         hashes = st["cached_page_hashes"]
         if len(hashes) > REPORT_ALL_PAGES:
             hashes = [h for h in hashes if h % 4 == 0]
+        if st.get("adapters"):  # the roots of the resident adapters' hash chains (models/served_model.py)
+            hashes = [*hashes, *(adapter_root(a) for a in st["adapters"]["resident"])]
         return {
             "engine_id": self.engine_id,
             "page_size": st["page_size"],
