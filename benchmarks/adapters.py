@@ -170,7 +170,7 @@ def main():
         for n in [0, *args.adapters]:
             s = engine_churn(base, adapters, n, sched, args)
             base_s = base_s or s
-            rows.append([f"macfarm, {n} adapters" if n else "macfarm, base alone", s["tok_s"], s["tok_s"] / base_s["tok_s"],
+            rows.append([f"macfarm, {n} adapter{'s' * (n > 1)}" if n else "macfarm, base alone", s["tok_s"], s["tok_s"] / base_s["tok_s"],
                          1e3 * s["ttft_p50"], 1e3 * s["itl_p50"], 1e3 * s["itl_p95"]])
             print(rows[-1], flush=True)
         s = summarize(batch_generator_schedule(fused(base, adapters[0], args.dtype), sched))
