@@ -91,13 +91,21 @@ class Worker:
             logits = logits[:, -1, :]
             self._dispatch(logits, *kv_arrays)
             last_logits.append(logits)
-        # Prefill chunks of equal length share one forward (rows may start anywhere).
+        # Prefill chunks of equal length share one forward (rows may start anywhere), built
+        # in the order the groups were opened. A chunk that reads pages another chunk of this
+        # step writes (a prefix hit on a prompt scheduled in this very step) opens a group of
+        # its own after them: in an earlier group it would read those pages unwritten.
         groups: Dict[tuple, list] = {}
+        P, written, epoch = self.pool.page_size, set(), 0
         for chunk in plan.prefills:
-            key = (chunk.length, chunk.start if self.batching == UNIFORM else 0)
+            pages = chunk.seq.pages
+            if written and not written.isdisjoint(pages[: -(-chunk.start // P)]):
+                epoch += 1
+            key = (chunk.length, chunk.start if self.batching == UNIFORM else 0, epoch)
             groups.setdefault(key, []).append(chunk)
+            written.update(pages[chunk.start // P : -(-(chunk.start + chunk.length) // P)])
         prefill_logits, scored, embedded = {}, [], []
-        for (L, _), chunks in groups.items():
+        for (L, _, _), chunks in groups.items():
             inputs = mx.array([c.seq.tokens[c.start : c.start + L] for c in chunks])
             out, kv_arrays = self._forward(inputs, [c.seq for c in chunks], [c.start for c in chunks], L,
                                            body_only=bool(self.split), prefill_ends=[c.start + L for c in chunks])

@@ -109,7 +109,7 @@ def compose_app(
     router class object, as the routing benchmark's baselines are)."""
     args = AppArgs.model_validate(args or {})
     args.api_key = args.api_key or os.environ.get("MACFARM_API_KEY") or None
-    replicas, weights, taken = {}, {}, set()
+    replicas, weights, memory, taken = {}, {}, {}, set()
     for entry in args.served_models():
         model_args = args.for_model(entry)
         prefix = deployment_prefix(entry.name, taken) if args.models else "MLXReplica"
@@ -121,9 +121,10 @@ def compose_app(
             replicas[entry.name][name] = MLXReplica.options(name=name, **opts).bind(
                 {**group.engine, "model": entry.model})
             weights[entry.name][name] = weight or opts.get("num_replicas") or opts["autoscaling_config"]["max_replicas"]
+            memory[entry.name] = opts["ray_actor_options"].get("resources", {}).get(MEMORY_RESOURCE)
     ingress = Ingress.options(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0},
                               graceful_shutdown_timeout_s=DRAIN_S)  # its streams drain as long as the replicas'
-    return ingress.bind(replicas, args.model_dump(exclude_unset=True), weights)
+    return ingress.bind(replicas, args.model_dump(exclude_unset=True), weights, memory)
 
 
 def deployment_prefix(model_name: str, taken: set) -> str:

@@ -69,7 +69,7 @@ class Ingress:
     one of its replicas."""
 
     def __init__(self, replicas: Dict[str, Dict[str, DeploymentHandle]], args: Dict[str, Any],
-                 weights: Optional[Dict[str, Dict[str, float]]] = None):
+                 weights: Optional[Dict[str, Dict[str, float]]] = None, memory: Optional[Dict[str, float]] = None):
         self.args = AppArgs.model_validate(args)
         weights = weights or {}
         self.catalog = Catalog([ServedModel(m, self.args.for_model(m), replicas[m.name], weights.get(m.name))
@@ -79,7 +79,7 @@ class Ingress:
             app_name = serve.get_replica_context().app_name
         except Exception:  # noqa: BLE001 - constructed outside Serve (a test)
             app_name = None
-        self.residency = Residency(self.catalog.models, app_name)
+        self.residency = Residency(self.catalog.models, app_name, memory or {})
 
     # --- endpoints -------------------------------------------------------------------
     @api.get("/health")

@@ -56,3 +56,30 @@ def test_the_served_model_name_defaults_to_the_models_last_path_part(model, name
     from serve_app.model_files import served_name
 
     assert served_name(model) == name
+
+
+def test_the_team_farm_of_docs_models_md_is_a_valid_config():
+    """The YAML users copy from docs/models.md builds (as far as args go) and names what it says."""
+    import re
+
+    import yaml
+
+    text = (ROOT / "docs" / "models.md").read_text()
+    block = re.search(r"```yaml\n(.*?)```", text, re.S).group(1)
+    args = AppArgs.model_validate(yaml.safe_load(block)["applications"][0]["args"])
+    names = [n for m in args.served_models() for n in (m.name, *m.adapters)]
+    assert names == ["coder", "coder-sql", "coder-acme", "small", "embed", "last-month"]
+    assert args.for_model(args.models[0]).engine["adapters"] == args.models[0].adapters
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"model": "x", "models": [{"name": "a"}]}, "model beside models"),
+    ({"models": [{"name": "a", "adapters": {"a": "/p"}}]}, "two models or adapters have the name 'a'"),
+    ({"models": [{"name": "a"}, {"name": "b", "adapters": {"a": "/p"}}]}, "the name 'a'"),
+    ({"models": [{"name": "a:b"}]}, "should match pattern"),
+    ({"models": [{"name": "a", "engine": {"max_batched_token": 1}}]}, "did you mean 'max_batched_tokens'"),
+    ({"models": [{"name": "a", "num_replicas": 1, "min_replicas": 2}]}, "above its num_replicas"),
+])
+def test_a_wrong_models_list_is_an_error_that_says_why(args, message):
+    with pytest.raises(ValidationError, match=message):
+        AppArgs.model_validate(args)

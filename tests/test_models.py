@@ -7,6 +7,7 @@ unloaded when idle; the least recently used idle model unloaded to make room for
 another, never while it streams; a deployment that cannot fit refused at build."""
 
 import asyncio
+import functools
 import json
 import os
 import time
@@ -56,7 +57,7 @@ def farm(tmp_path_factory):
         big = {"model": str(paths["big"]), "min_replicas": 0, "engine": {"max_total_tokens": BIG_TOKENS}}
         run_app(base, "team", "/", engine=ENGINE, models=[
             {"name": "coder", "model": str(paths["coder"]), "adapters": {"coder-sql": str(sql), "coder-acme": str(acme)}},
-            {"name": "small", "model": str(paths["small"]), "min_replicas": 0, "idle_unload_s": 4},
+            {"name": "small", "model": str(paths["small"]), "min_replicas": 0, "idle_unload_s": 2},
             {"name": "big", **big},
             {"name": "big2", **big},
         ])
@@ -86,8 +87,13 @@ def _wait_loaded(base, model, want, timeout=90):
     raise AssertionError(f"{model} loaded never became {want}: {_listing(base)[model]}")
 
 
+@functools.lru_cache(maxsize=None)
+def _mlx(path, adapter):
+    return mlx_load(str(path), adapter_path=None if adapter is None else str(adapter))
+
+
 def _greedy(path, messages_or_ids, n, adapter=None):
-    model, tok = mlx_load(str(path), adapter_path=None if adapter is None else str(adapter))
+    model, tok = _mlx(path, adapter)
     ids = messages_or_ids if isinstance(messages_or_ids[0], int) else \
         tok.apply_chat_template(messages_or_ids, add_generation_prompt=True)
     return tok.decode(reference_greedy(model, ids, n), skip_special_tokens=True)
@@ -188,19 +194,8 @@ def test_small_models_share_the_mac_each_big_one_needs_most_of_it(farm):
         build_app({"models": [{"name": "huge", "model": str(farm[1]["big"]), "engine": {"max_total_tokens": 2_000_000}}]})
 
 
-def test_an_idle_model_unloads_then_loads_again_on_its_next_request(farm, client):
-    base = farm[0]
-    _wait_loaded(base, "small", False, timeout=60)  # idle_unload_s 4
-    r = httpx.post(f"{base}/v1/chat/completions", json={"model": "small", "messages": MSGS, "max_tokens": 4},
-                   headers={"X-Request-Timeout": "0.3"}, timeout=30)
-    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1  # loading: not within 0.3 s
-    assert r.json()["error"]["code"] == "model_loading"
-    r = client.chat.completions.create(model="small", messages=MSGS, max_tokens=4)  # waits for it
-    assert r.choices[0].message.content
-
-
 def test_a_model_makes_room_by_unloading_the_idle_one_never_a_streaming_one(farm):
-    """big streams (4 samples of 900 tokens) while big2, which cannot fit beside it, is
+    """big streams (2 samples of 900 tokens) while big2, which cannot fit beside it, is
     asked for: big2 waits, big's stream completes whole, then big is unloaded and big2
     loads and answers."""
     base = farm[0]
@@ -209,7 +204,7 @@ def test_a_model_makes_room_by_unloading_the_idle_one_never_a_streaming_one(farm
     async def stream_big(ac):
         usage = None
         async with ac.stream("POST", f"{base}/v1/completions", json={
-                "model": "big", "prompt": "Once upon a time", "max_tokens": 900, "n": 4, "ignore_eos": True,
+                "model": "big", "prompt": "Once upon a time", "max_tokens": 900, "n": 2, "ignore_eos": True,
                 "temperature": 0.8, "stream": True, "stream_options": {"include_usage": True}}) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
@@ -233,8 +228,19 @@ def test_a_model_makes_room_by_unloading_the_idle_one_never_a_streaming_one(farm
             return await asyncio.gather(stream_big(ac), ask_big2(ac))
 
     usage, r2 = asyncio.run(main())
-    assert usage and usage["completion_tokens"] == 4 * 900  # the stream was never cut
+    assert usage and usage["completion_tokens"] == 2 * 900  # the stream was never cut
     assert r2.status_code == 200 and r2.json()["model"] == "big2"
     assert events["big2_answered"] > events["big_done"]  # it could only load once big was idle
     _wait_loaded(base, "big", False)
     _wait_loaded(base, "big2", True)
+
+
+def test_an_idle_model_unloads_then_loads_again_on_its_next_request(farm, client):
+    base = farm[0]
+    _wait_loaded(base, "small", False, timeout=60)  # idle_unload_s 2, over Serve's 12 s window
+    r = httpx.post(f"{base}/v1/chat/completions", json={"model": "small", "messages": MSGS, "max_tokens": 4},
+                   headers={"X-Request-Timeout": "0.3"}, timeout=30)
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1  # loading: not within 0.3 s
+    assert r.json()["error"]["code"] == "model_loading"
+    r = client.chat.completions.create(model="small", messages=MSGS, max_tokens=4)  # waits for it
+    assert r.choices[0].message.content

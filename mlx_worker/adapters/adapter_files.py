@@ -160,7 +160,8 @@ def _check(adapter: Adapter, linears: Dict[str, nn.Module]) -> None:
     for module, d in adapter.modules.items():
         layer = linears.get(module)
         if layer is None:
-            raise AdapterError(f"adapter {adapter.name!r}: the model has no linear layer {module!r}")
+            raise AdapterError(f"adapter {adapter.name!r}: the model has no linear layer {module!r} (adapters "
+                               f"apply to Linear and QuantizedLinear layers, not embeddings or MoE experts)")
         in_dims, out_dims = linear_dims(layer)
         if d.a.ndim != 2 or d.b.ndim != 2 or d.a.shape[0] != in_dims or d.b.shape[1] != out_dims \
                 or d.a.shape[1] != d.b.shape[0]:

@@ -64,11 +64,13 @@ def autoscaling_config(min_replicas: int, max_replicas: int, idle_unload_s: floa
 class Residency:
     """The ingress's view of which models are loaded, and the room it makes: a model with
     requests waiting and no replica up for STARVED_S takes the Macs of the least recently
-    used model that has no request in flight and may unload (min_replicas 0, not pinned)."""
+    used model that has no request in flight and may unload (min_replicas 0, not pinned),
+    preferring one that frees at least the memory it needs; one a poll, until it fits."""
 
-    def __init__(self, models: Dict[str, "object"], app_name: Optional[str]):
+    def __init__(self, models: Dict[str, "object"], app_name: Optional[str], memory: Dict[str, Optional[float]]):
         self.models = models  # name -> ServedModel
         self.app_name = app_name
+        self.memory = memory  # name -> mac_memory_gb one replica declares (None: unknown)
         self.on_demand = {n for n, m in models.items() if m.entry.min_replicas is not None}
         self.running: Dict[str, int] = {}  # replicas up per model, as of the last poll
         self.in_flight = {n: 0 for n in models}
@@ -136,7 +138,13 @@ class Residency:
                 and self.models[n].entry.min_replicas == 0 and now - self.evicted_at.get(n, -1e9) > EVICT_AGAIN_S]
         if not idle:
             return
-        victim = min(idle, key=lambda n: self.last_used[n])
+        need = self.memory.get(starved)
+        # The least recently used of those that free what it needs; smaller ones only when
+        # together they could (else unloading them helps no one: wait for a busy one).
+        too_small = lambda n: need is not None and (self.memory.get(n) or 0) < need  # noqa: E731
+        if all(map(too_small, idle)) and sum(self.memory.get(n) or 0 for n in idle) < need:
+            return
+        victim = min(idle, key=lambda n: (too_small(n), self.last_used[n]))
         self.evicted_at[victim] = now
         logger.info(f"unloading model {victim!r} (idle, least recently used) to make room for {starved!r}")
         self.evictions.inc(tags={"model": victim})
