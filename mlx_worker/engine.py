@@ -2,6 +2,7 @@
 
 import asyncio
 import atexit
+import itertools
 import os
 import queue
 import threading
@@ -56,7 +57,8 @@ class Engine:
             model, tokenizer = (load_sharded(config.model, config.dtype, ranks.group, config.pipeline_parallel_size > 1)
                                 if ranks else load_model(config.model, config.dtype))
         if config.adapters and ranks:
-            raise ValueError("LoRA adapters need a replica of one Mac (tensor_parallel_size and pipeline_parallel_size 1)")
+            raise ValueError("LoRA adapters need a replica of one Mac "
+                             "(tensor_parallel_size and pipeline_parallel_size 1)")
         self.adapters = AdapterSlots(model, config.adapters, config.max_loaded_adapters) if config.adapters else None
         self.model, self.tokenizer = model, tokenizer
         tree = probe_caches(model)
@@ -424,8 +426,8 @@ class Engine:
         by requests in flight (it waits for one, parked, in arrival order)."""
         if seq.adapter is None:
             return True
-        busy = {s.adapter_slot for s in (*self.scheduler.running, *self.scheduler.waiting)}
-        slot = self.adapters.acquire(seq.adapter, busy)
+        in_flight = itertools.chain(self.scheduler.running, self.scheduler.waiting)
+        slot = self.adapters.acquire(seq.adapter, (s.adapter_slot for s in in_flight))
         seq.adapter_slot = slot or 0
         return slot is not None
 

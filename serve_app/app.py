@@ -72,7 +72,7 @@ def _replica_options(args: AppArgs, entry: Optional[ModelArgs] = None, shared: b
     if shared and ranks == 1 and resource:
         opts["max_replicas_per_node"] = 1
     if entry is not None and entry.min_replicas is not None and (entry.min_replicas < n or entry.pin):
-        per_replica = int(args.engine.get("max_running_requests", EngineConfig.model_fields["max_running_requests"].default))
+        per_replica = EngineConfig.model_validate(args.engine).max_running_requests
         opts["autoscaling_config"] = autoscaling_config(entry.min_replicas, n, entry.idle_unload_s, entry.pin,
                                                         per_replica)
         del opts["num_replicas"]

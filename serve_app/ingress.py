@@ -19,8 +19,6 @@ from .api import embeddings as E
 from .api import protocol as P
 from .api import responses as R
 from .api import tools as T
-from .api.harmony import HarmonyParser
-from .api.output_parser import OutputParser, starts_in_reasoning
 from .config import AppArgs
 from .models.catalog import Catalog, Target
 from .models.residency import Residency
@@ -74,7 +72,8 @@ class Ingress:
         weights = weights or {}
         self.catalog = Catalog([ServedModel(m, self.args.for_model(m), replicas[m.name], weights.get(m.name))
                                 for m in self.args.served_models()])
-        self.max_body_bytes = max(1 << 20, BODY_BYTES_PER_TOKEN * max(m.max_model_len for m in self.catalog.models.values()))
+        longest = max(m.max_model_len for m in self.catalog.models.values())
+        self.max_body_bytes = max(1 << 20, BODY_BYTES_PER_TOKEN * longest)
         try:
             app_name = serve.get_replica_context().app_name
         except Exception:  # noqa: BLE001 - constructed outside Serve (a test)
@@ -252,7 +251,7 @@ class Ingress:
             prompt_ids = list(m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kw))
         except Exception as e:  # noqa: BLE001 - templates raise anything
             raise P.ProtocolError(f"chat template failed: {e}", "messages")
-        return prompt_ids, parser_factory(m, prompt_ids, tools), grammar
+        return prompt_ids, m.parser_factory(prompt_ids, tools), grammar
 
     def _params(self, m: ServedModel, body, prompt_ids: List[int], field: str, tool_grammar=None):
         n = len(prompt_ids)
@@ -370,7 +369,8 @@ class Ingress:
         raw = await request.body()
         if len(raw) > self.max_body_bytes:
             raise P.ProtocolError(f"the request body is {len(raw)} bytes; at most {self.max_body_bytes} are accepted "
-                                  f"(the models' contexts are at most {self.max_body_bytes // BODY_BYTES_PER_TOKEN} tokens)",
+                                  f"(the longest model context is {self.max_body_bytes // BODY_BYTES_PER_TOKEN} "
+                                  f"tokens)",
                                   code="request_too_large", status=413)
         return raw
 
@@ -382,25 +382,14 @@ class Ingress:
         tokenizer = t.model.tokenizer
         decode = (lambda tok: tokenizer.decode([tok])) if params.logprobs else None
         if body.stream:
-            return StreamingResponse(completion_events(t.name, kind, first, stream, rid, decode, body.include_usage, parser,
-                                               echo), media_type="text/event-stream")
+            events = completion_events(t.name, kind, first, stream, rid, decode, body.include_usage, parser, echo)
+            return StreamingResponse(events, media_type="text/event-stream")
         outs = await self._rest(first, stream)
         if kind == "chat":
             response = P.chat_completion(outs, t.name, decode, id=rid, parse=whole(parser))
         else:
             response = P.completion(outs, t.name, decode, id=rid, echo=echo)
         return JSONResponse(response.model_dump(mode="json"))
-
-
-def parser_factory(m: ServedModel, prompt_ids: List[int], tools):
-    """Makes a sample's OutputParser (reasoning, content, tool calls); None when the
-    model has no thinking markers and there are no tools: the text is all content."""
-    if m.harmony:
-        return HarmonyParser
-    if not (m.think or tools):
-        return None
-    in_reasoning = starts_in_reasoning(m.tokenizer, prompt_ids)
-    return lambda: OutputParser(m.think, m.call_format, tools, in_reasoning)
 
 
 Ingress = serve.deployment(serve.ingress(api)(Ingress), name="Ingress")

@@ -44,6 +44,7 @@ class AdapterSlots:
         mx.eval([layer.parameters() for layer in self.layers.values()])  # here: MLX streams are per thread
         self._linears, self._depth = linears, depth
         self.slot_of: "OrderedDict[str, int]" = OrderedDict()  # resident adapters, least recently used first
+        self.dora_slot = [False] * (capacity + 1)  # whether the adapter in each slot is DoRA
         self.num_loads = 0
 
     def __contains__(self, name: str) -> bool:
@@ -51,7 +52,8 @@ class AdapterSlots:
 
     def acquire(self, name: str, busy: Iterable[int]) -> Optional[int]:
         """The slot of adapter `name`, loading it when it is not resident (into a free slot,
-        or the least recently used one no sequence in `busy` uses); None: every slot is in use."""
+        or the least recently used one no sequence in `busy` uses: read only then); None:
+        every slot is in use."""
         if name in self.slot_of:
             self.slot_of.move_to_end(name)
             return self.slot_of[name]
@@ -65,14 +67,14 @@ class AdapterSlots:
             slot = self.slot_of.pop(victim)
         self._load(read_adapter(name, self.paths[name], self._linears, self._depth), slot)
         self.slot_of[name] = slot
+        self.dora_slot[slot] = self.dora[name]
         self.num_loads += 1
         return slot
 
     def select(self, slots) -> None:
         """The rows of the next forward (their adapter slots; 0: the base model)."""
         slots = list(slots)
-        names = {s: n for n, s in self.slot_of.items()}
-        self.rows.select(slots, any(self.dora.get(names.get(s)) for s in set(slots) if s))
+        self.rows.select(slots, any(self.dora_slot[s] for s in slots))
 
     def _load(self, adapter: Adapter, slot: int) -> None:
         arrays = []

@@ -14,6 +14,7 @@ from typing import List, Optional
 from mlx_worker.config import EngineConfig
 from mlx_worker.memory.kv_pool import device_memory
 from mlx_worker.models.gguf import resolve_model
+from mlx_worker.models.loader import on_metal
 
 logger = logging.getLogger("ray.serve")
 
@@ -21,35 +22,9 @@ MEMORY_RESOURCE = "mac_memory_gb"
 MARGIN = 1.1  # activations and the allocator's slack over weights + KV
 
 
-def weights_bytes(model: Optional[str], dtype: str = "auto", metal: Optional[bool] = None) -> Optional[int]:
-    """The bytes a model's weights take once loaded with `dtype`, from its files (a local
-    directory, a .gguf file, or an HF id already in the local cache); None: unknown."""
-    path = _local(model)
-    if path is None:
-        return None
-    if path.is_file():
-        return path.stat().st_size
-    files = list(path.glob("*.safetensors"))
-    if not files:
-        return None
-    size = sum(f.stat().st_size for f in files)
-    if metal is None:
-        import mlx.core as mx
-
-        metal = mx.metal.is_available()
-    if dtype == "quantized" or (dtype == "auto" and metal):
-        return size
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return size
-    bits = (cfg.get("quantization") or {}).get("bits")
-    stored = bits / 8 if bits else 4 if cfg.get("torch_dtype") == "float32" else 2
-    loaded = 2 if dtype in ("float16", "bfloat16") else 4  # auto on a CPU: float32
-    return int(size * loaded / stored)
-
-
 def _local(model: Optional[str]) -> Optional[Path]:
+    """The model's files here: a directory or .gguf file, or an HF id already in the local
+    cache; None: not downloaded here (unknown until a replica loads it)."""
     spec = resolve_model(model)
     if Path(spec).exists():
         return Path(spec)
@@ -57,22 +32,35 @@ def _local(model: Optional[str]) -> Optional[Path]:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(spec, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not downloaded here: unknown until a replica loads it
+    except Exception:  # noqa: BLE001 - any failure means: not here
         return None
 
 
-def kv_bytes_per_token(model: Optional[str]) -> Optional[int]:
-    """K and V bytes of one token in every layer, from the model's config.json (float32
-    on a CPU, the checkpoint's float16 on Metal: the larger)."""
-    path = _local(model)
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
+def weights_bytes(path: Path, config: dict, dtype: str = "auto") -> Optional[int]:
+    """The bytes a model's weights take once loaded with `dtype`, from its files and its
+    config.json; None: no weights files."""
+    if path.is_file():
+        return path.stat().st_size
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    if not size:
         return None
-    cfg = {**cfg, **cfg.get("text_config", {})}
-    heads = cfg.get("num_attention_heads")
-    layers, kv_heads = cfg.get("num_hidden_layers"), cfg.get("num_key_value_heads", heads)
-    head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads and cfg.get("hidden_size") else None)
+    if dtype == "quantized" or (dtype == "auto" and on_metal()):
+        return size
+    bits = (config.get("quantization") or {}).get("bits")
+    stored = bits / 8 if bits else 4 if config.get("torch_dtype") == "float32" else 2
+    loaded = 2 if dtype in ("float16", "bfloat16") else 4  # auto on a CPU: float32
+    return int(size * loaded / stored)
+
+
+def config_kv_bytes_per_token(config: dict) -> Optional[int]:
+    """K and V bytes of one token in every layer, from a model's config.json, before it is
+    loaded (memory/kv_pool.kv_bytes_per_token counts them from the loaded model's layers);
+    float32 (a CPU's) or the checkpoint's float16 on Metal: the larger."""
+    config = {**config, **config.get("text_config", {})}
+    heads = config.get("num_attention_heads")
+    layers, kv_heads = config.get("num_hidden_layers"), config.get("num_key_value_heads", heads)
+    hidden = config.get("hidden_size")
+    head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)
     if not (layers and kv_heads and head_dim):
         return None
     return 2 * layers * kv_heads * head_dim * 4
@@ -83,10 +71,17 @@ def replica_memory_bytes(model: Optional[str], engine: dict, mac_memory: int) ->
     its KV pool (max_total_tokens, else kv_memory_fraction of what the weights leave) and
     the decode batch's staged copy of it; None: the weights' size is unknown here."""
     cfg = EngineConfig.model_validate({**engine, "model": model})
-    weights = weights_bytes(model, cfg.dtype)
+    path = _local(model)
+    if path is None:
+        return None
+    try:
+        config = {} if path.is_file() else json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    weights = weights_bytes(path, config, cfg.dtype)
     if weights is None:
         return None
-    per_token = kv_bytes_per_token(model) if cfg.max_total_tokens else None
+    per_token = config_kv_bytes_per_token(config) if cfg.max_total_tokens else None
     if per_token:
         kv = cfg.max_total_tokens * per_token
     else:

@@ -10,8 +10,8 @@ from mlx_worker.memory.paging import PAGE_SIZE, adapter_root, page_hashes
 
 from ..api import embeddings as E
 from ..api import tools as T
-from ..api.harmony import is_harmony
-from ..api.output_parser import think_format
+from ..api.harmony import HarmonyParser, is_harmony
+from ..api.output_parser import OutputParser, starts_in_reasoning, think_format
 from ..config import AppArgs, ModelArgs
 from ..model_files import context_length, download_tokenizer
 from ..routing.replica_groups import GroupPicker
@@ -45,6 +45,16 @@ class ServedModel:
         self.call_format = T.HARMONY_CALLS if self.harmony else T.call_format(self.tokenizer)
         self.think = think_format(self.tokenizer)
         self.pooling = E.pooling(local)
+
+    def parser_factory(self, prompt_ids: List[int], tools):
+        """Makes a sample's OutputParser (reasoning, content, tool calls); None when the
+        model has no thinking markers and there are no tools: the text is all content."""
+        if self.harmony:
+            return HarmonyParser
+        if not (self.think or tools):
+            return None
+        in_reasoning = starts_in_reasoning(self.tokenizer, prompt_ids)
+        return lambda: OutputParser(self.think, self.call_format, tools, in_reasoning)
 
     def page_hashes(self, prompt_ids: List[int], adapter: Optional[str]) -> List[int]:
         """The router's page hashes of a prompt, chained from its adapter's root as the
