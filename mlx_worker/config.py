@@ -6,6 +6,7 @@ from pydantic import Field
 
 from .distributed.ranks import BACKENDS
 from .memory.paging import PAGE_SIZE
+from .speculative.config import SpeculativeConfig
 from .strict_model import StrictModel
 
 
@@ -52,3 +53,5 @@ class EngineConfig(StrictModel):
     """LoRA adapters this engine serves beside its base model: name -> directory (mlx-lm's format or PEFT's)."""
     max_loaded_adapters: int = Field(8, ge=1)
     """Adapters resident at once; the least recently used one with no request in flight makes room for another."""
+    speculative: Optional[SpeculativeConfig] = None
+    """Speculative decoding (method, num_draft_tokens, adaptive); null: off. The same tokens, greedy or seeded, sooner where drafts are right."""

@@ -33,6 +33,7 @@ from .scheduling.admission import Admission
 from .scheduling.scheduler import Scheduler, StepPlan
 from .scheduling.step_budget import StepBudget
 from .scheduling.step_cost import shape_of
+from .speculative.speculator import speculator_for
 from .worker import Worker
 
 
@@ -45,7 +46,7 @@ class Engine:
     """
 
     def __init__(self, config: Optional[EngineConfig] = None, model=None, tokenizer=None,
-                 ranks: Optional[Ranks] = None):
+                 ranks: Optional[Ranks] = None, drafter=None):
         self.config = config = config or EngineConfig()
         size = config.tensor_parallel_size * config.pipeline_parallel_size
         if size > max(config.tensor_parallel_size, config.pipeline_parallel_size):
@@ -80,8 +81,9 @@ class Engine:
         eos = set(getattr(tokenizer, "eos_token_ids", None) or []) if tokenizer is not None else set()
         self.budget = StepBudget(config.max_batched_tokens, config.max_token_gap_s, config.min_prefill_tokens,
                                  timed=config.step_budget == "time")
+        self.speculator = speculator_for(config.speculative, bool(tree.states), drafter)
         self.scheduler = Scheduler(self.pages, eos, config.max_running_requests, config.max_batched_tokens,
-                                   self.snapshots, self.budget)
+                                   self.snapshots, self.budget, self.speculator)
         self.activation_bytes = activation_budget(model, config.max_batched_tokens, config.max_running_requests,
                                                   self.vocab_size)
         # The decode batch's copies from the pool run before a step, never beside one: its activation budget.
@@ -350,11 +352,10 @@ class Engine:
         seconds, plan = now - max(self._last_finish, step.launched_at), step.plan
         self._last_finish = now
         prefill = sum(c.length for c in plan.prefills)
-        self.admission.observe(seconds, prefill, len(plan.decode))
-        self._stats.step(seconds, len(plan.decode), prefill)
+        self.admission.observe(seconds, prefill, plan.decode_like())
+        self._stats.step(seconds, plan.decode_like(), prefill)
         if not self.ranks or self.ranks.leader:  # the followers take the leader's fit (_replay_commands)
-            self.budget.cost.observe(shape_of([p for _, p in plan.decode], [(c.start, c.length) for c in plan.prefills]),
-                                     seconds)
+            self.budget.cost.observe(shape_of([p for _, p in plan.decode], plan.chunks()), seconds)
         outputs = self.scheduler.process(plan, tokens)
         self._stats.publish(self)
         self._deliver(outputs)

@@ -77,6 +77,7 @@ class EngineStats:
             "state_snapshot_bytes": snaps.nbytes if snaps else 0,
             "peak_memory_bytes": mx.get_peak_memory(),
             "adapters": engine.adapters.stats() if engine.adapters else None,  # resident LoRA adapters
+            "speculative": engine.speculator.stats() if engine.speculator else None,  # drafts verified, accepted
             **self.memory,
         }
 

@@ -96,6 +96,9 @@ class Sequence:
     uncached_estimate: Optional[int] = None  # tokens to compute, as the prefix cache stood at arrival (admission.py)
     adapter: Optional[str] = None  # Request.adapter
     adapter_slot: int = 0  # its adapter's slot in the LoRA layers (adapters/); 0: the base model
+    draft_index: Optional[object] = None  # speculative/: its drafter's index of its tokens
+    draft_acceptance: Optional[float] = None  # speculative/: its drafts' recent acceptance rate
+    verifying: bool = False  # a step verifying its drafts is in flight: its position is not known yet
 
     def __post_init__(self):
         self.num_tokens = len(self.tokens)

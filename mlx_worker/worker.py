@@ -91,6 +91,7 @@ class Worker:
             logits = logits[:, -1, :]
             self._dispatch(logits, *kv_arrays)
             last_logits.append(logits)
+        verify_logits = self._verify_forwards(plan)
         # Prefill chunks of equal length share one forward (rows may start anywhere), built
         # in the order the groups were opened. A chunk that reads pages another chunk of this
         # step writes (a prefix hit on a prompt scheduled in this very step) opens a group of
@@ -119,13 +120,14 @@ class Worker:
         ends = [prefill_logits[id(c)] for c in plan.prefills if c.samples]
         if ends and self.split:  # hidden states of the sampled positions only
             ends = [self.split[1](mx.concatenate(ends) if len(ends) > 1 else ends[0])]
-        last_logits += ends
+        last_logits += ends + verify_logits
         if not last_logits:
             return self._launched(InFlightStep(plan, None, scored, embedded))
 
         seqs = plan.sampling_rows()
         positions = [p for _, p in plan.decode] + [c.start + c.length - 1 for c in plan.prefills if c.samples]
         rows = [self._row(s, pos + 1 - s.num_prompt) for s, pos in zip(seqs, positions)]
+        rows += [self._row(v.seq, v.position + i + 1 - v.seq.num_prompt) for v in plan.verify for i in range(v.length)]
         logits = mx.concatenate(last_logits) if len(last_logits) > 1 else last_logits[0]
         result = sample(logits, rows)
         for i, seq in enumerate(seqs):
@@ -136,6 +138,23 @@ class Worker:
                 seq.seen = result.seen[i]
         self._on_device(mx.async_eval, *result.arrays())  # reads no pool array: no fence needed
         return self._launched(InFlightStep(plan, result, scored, embedded))
+
+    def _verify_forwards(self, plan: StepPlan) -> List[mx.array]:
+        """Run the verify rows (speculative/): each feeds its last token and its drafts,
+        rows of one length in one forward; the logits of every position, (sum of lengths,
+        V). `plan.verify` is reordered as the logits are."""
+        groups: Dict[tuple, list] = {}
+        for v in plan.verify:
+            groups.setdefault((v.length, v.position if self.batching == UNIFORM else 0), []).append(v)
+        plan.verify = [v for rows in groups.values() for v in rows]
+        logits = []
+        for (L, _), rows in groups.items():
+            inputs = mx.array([[v.seq.tokens[-1], *v.drafts] for v in rows])
+            out, kv_arrays = self._forward(inputs, [v.seq for v in rows], [v.position for v in rows], L)
+            out = out.reshape(-1, out.shape[-1])
+            self._dispatch(out, *kv_arrays)
+            logits.append(out)
+        return logits
 
     def _launched(self, step: InFlightStep) -> InFlightStep:
         self._unfinished = step

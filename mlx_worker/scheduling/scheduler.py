@@ -5,6 +5,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
+import mlx.core as mx
+
 from ..memory.page_manager import PageManager
 from ..memory.state_snapshots import StateSnapshots
 from ..request import RequestOutput, Sequence, Status
@@ -20,18 +22,41 @@ class PrefillChunk:
 
 
 @dataclass
+class VerifyRow:
+    """A decoding row that feeds its last token and its drafts at `position` onwards; a
+    token is sampled at each of those positions (speculative/)."""
+
+    seq: Sequence
+    position: int
+    drafts: List[int]
+
+    @property
+    def length(self) -> int:
+        return 1 + len(self.drafts)
+
+
+@dataclass
 class StepPlan:
     decode: List[Tuple[Sequence, int]] = field(default_factory=list)  # (seq, position)
     prefills: List[PrefillChunk] = field(default_factory=list)
+    verify: List[VerifyRow] = field(default_factory=list)
 
     def sequences(self) -> List[Sequence]:
-        return [s for s, _ in self.decode] + [c.seq for c in self.prefills]
+        return [s for s, _ in self.decode] + [c.seq for c in self.prefills] + [v.seq for v in self.verify]
 
     def sampling_rows(self) -> List[Sequence]:
+        """The rows that sample one token (verify rows sample theirs after them)."""
         return [s for s, _ in self.decode] + [c.seq for c in self.prefills if c.samples]
 
+    def decode_like(self) -> int:
+        return len(self.decode) + len(self.verify)
+
+    def chunks(self) -> List[Tuple[int, int]]:
+        """(start, length) of the forwards' multi-token rows: prefill chunks, then verify rows."""
+        return [(c.start, c.length) for c in self.prefills] + [(v.position, v.length) for v in self.verify]
+
     def __bool__(self) -> bool:
-        return bool(self.decode or self.prefills)
+        return bool(self.decode or self.prefills or self.verify)
 
 
 class Scheduler:
@@ -44,7 +69,9 @@ class Scheduler:
     """
 
     def __init__(self, pages: PageManager, eos_ids: Set[int], max_running: int, max_batched_tokens: int,
-                 snapshots: Optional[StateSnapshots] = None, budget: Optional[StepBudget] = None):
+                 snapshots: Optional[StateSnapshots] = None, budget: Optional[StepBudget] = None,
+                 speculator=None):
+        self.speculator = speculator  # speculative.Speculator: decoding rows may verify drafts
         self.pages = pages
         self.snapshots = snapshots  # a model with recurrent layers resumes only at a snapshot
         self.page_size = pages.page_size
@@ -119,14 +146,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def needs_sync(self) -> bool:
-        """A grammar needs the previous token before it can mask the next step."""
-        return any(s.matcher is not None for s in self.running)
+        """A grammar needs the previous token before it can mask the next step; a verify
+        row, its accepted tokens before its next position is known; drafting, known tokens."""
+        if any(s.matcher is not None or s.verifying for s in self.running):
+            return True
+        return self.speculator is not None and bool(self.running) and self.speculator.wants_sync()
 
     # --- one step ----------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._schedule_decode(plan)
-        room = self.budget.room(len(plan.decode), sum(pos + 1 for _, pos in plan.decode))
+        room = self.budget.room(len(plan.decode), sum(pos + 1 for _, pos in plan.decode),
+                                [(v.position, v.length) for v in plan.verify])
         for seq in [s for s in self.running if s.next_input is None]:
             self._schedule_prefill(plan, seq, room)
         while self.waiting and room.tokens > 0 and len(self.running) < self.max_running:
@@ -142,21 +173,26 @@ class Scheduler:
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)
-        self.tokens_computed += len(plan.decode) + sum(c.length for c in plan.prefills)
+        self.tokens_computed += len(plan.decode) + sum(length for _, length in plan.chunks())
         return plan
 
     def _schedule_decode(self, plan: StepPlan) -> None:
-        for seq in list(self.running):
-            if seq.status != Status.RUNNING or seq.next_input is None:
+        rows = [(s, s.num_computed) for s in self.running if s.next_input is not None and not s.verifying
+                and s.num_scheduled_output < s.params.max_tokens]
+        drafts = self.speculator.plan(rows, self.budget.cost.coef) if self.speculator and rows else [[]] * len(rows)
+        for (seq, position), draft in zip(rows, drafts):
+            if seq.status != Status.RUNNING:
+                continue  # preempted for an earlier row's pages
+            if not self._reserve(seq, position + 1 + len(draft)):
                 continue
-            if seq.num_scheduled_output >= seq.params.max_tokens:
-                continue
-            if not self._reserve(seq, seq.num_computed + 1):
-                continue
-            plan.decode.append((seq, seq.num_computed))
-            seq.num_work += 1
-            seq.num_computed += 1
-            seq.num_tokens += 1
+            if draft:
+                plan.verify.append(VerifyRow(seq, position, draft))
+                seq.verifying = True
+            else:
+                plan.decode.append((seq, position))
+            seq.num_work += 1 + len(draft)
+            seq.num_computed += 1 + len(draft)
+            seq.num_tokens += 1 + len(draft)
 
     def _reserve(self, seq: Sequence, n_tokens: int) -> bool:
         """Pages for n_tokens, preempting the newest requests if the pool is full."""
@@ -253,6 +289,7 @@ class Scheduler:
         self.pages.release(seq.pages)
         seq.pages, seq.num_computed, seq.num_published = [], 0, 0
         seq.next_input = seq.state = None
+        seq.verifying = False
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.deadline is not None and time.perf_counter() > seq.deadline:
@@ -265,13 +302,21 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.by_rid.pop(seq.rid, None)
+        if self.speculator is not None:
+            self.speculator.finished(seq)
 
     # --- results -----------------------------------------------------------------
     def process(self, plan: StepPlan, step) -> List[RequestOutput]:
-        """Apply one step's sampled tokens (a worker.StepTokens); outputs for the
-        requests that advanced."""
+        """Apply one step's sampled tokens (a worker.StepTokens: one per sampling row, then
+        one per position of each verify row); outputs for the requests that advanced."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        for i, (seq, tok) in enumerate(zip(plan.sampling_rows(), step.tokens)):
+        rows = [(s, None) for s in plan.sampling_rows()] + [(v.seq, v) for v in plan.verify]
+        i = 0
+        for seq, verify in rows:
+            n = 1 if verify is None else verify.length
+            at, i = i, i + n
+            if verify is not None:
+                seq.verifying = False
             if seq.status == Status.FINISHED:
                 continue  # finished while this step ran ahead: drop its extra token
             first = len(seq.tokens) == seq.num_prompt
@@ -279,8 +324,39 @@ class Scheduler:
                 self._finish(seq, "length")
                 outputs.append(self._with_prompt_outputs(seq, self._output(seq, [], "length")))
                 continue
+            toks = step.tokens[at : at + n]
+            if verify is not None:
+                toks = self._accept(seq, verify, toks)
+            out = self._append(seq, toks)
+            if first:
+                self._with_prompt_outputs(seq, out)
+            if seq.params.logprobs and step.logprobs is not None:
+                out.logprobs = step.logprobs[at : at + len(out.token_ids)]
+                if seq.params.top_logprobs and step.top is not None:
+                    out.top_logprobs = [t[: seq.params.top_logprobs] for t in step.top[at : at + len(out.token_ids)]]
+            outputs.append(out)
+        return outputs
+
+    def _accept(self, seq: Sequence, verify: VerifyRow, sampled: List[int]) -> List[int]:
+        """The tokens a verify row emits: its samples up to the first that differs from the
+        draft it checked, that one included. The positions past them are given back (their
+        KV is overwritten when they are computed again)."""
+        accepted = 0
+        while accepted < len(verify.drafts) and sampled[accepted] == verify.drafts[accepted]:
+            accepted += 1
+        rejected = len(verify.drafts) - accepted
+        seq.num_computed -= rejected
+        seq.num_tokens -= rejected
+        seq.next_input = mx.array([sampled[accepted]], mx.int32)
+        self.speculator.observe(seq, len(verify.drafts), accepted, accepted + 1)
+        return sampled[: accepted + 1]
+
+    def _append(self, seq: Sequence, toks: List[int]) -> RequestOutput:
+        """Append sampled tokens in order until one ends the request; its output."""
+        reason, stop_reason, n = None, None, 0
+        for tok in toks:
             seq.tokens.append(tok)
-            reason, stop_reason = None, None
+            n += 1
             if (tok in self.eos_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids:
                 reason, stop_reason = "stop", tok
             elif seq.matcher is not None and (not seq.matcher.advance(tok) or seq.matcher.is_terminated()):
@@ -288,19 +364,14 @@ class Scheduler:
             elif len(seq.tokens) - seq.num_prompt >= seq.params.max_tokens:
                 reason = "length"
             if reason:
-                self._finish(seq, reason)
-            elif seq.status == Status.RUNNING:
-                self._publish(seq)
-            out = self._output(seq, [tok], reason)
-            out.stop_reason = stop_reason
-            if first:
-                self._with_prompt_outputs(seq, out)
-            if seq.params.logprobs and step.logprobs is not None:
-                out.logprobs = [step.logprobs[i]]
-                if seq.params.top_logprobs and step.top is not None:
-                    out.top_logprobs = [step.top[i][: seq.params.top_logprobs]]
-            outputs.append(out)
-        return outputs
+                break
+        if reason:
+            self._finish(seq, reason)
+        elif seq.status == Status.RUNNING:
+            self._publish(seq)
+        out = self._output(seq, toks[:n], reason)
+        out.stop_reason = stop_reason
+        return out
 
     @staticmethod
     def _with_prompt_outputs(seq: Sequence, out: RequestOutput) -> RequestOutput:

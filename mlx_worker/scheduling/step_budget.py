@@ -12,7 +12,7 @@ at most, so that they are measured within the first second or so.
 """
 
 import time
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence, Tuple
 
 from .step_cost import StepCost, StepShape
 
@@ -59,10 +59,17 @@ class StepBudget:
         self.urgent = False  # a decoding request would miss its deadline at the pace of steps with prefill
         self.num_urgent_steps = 0
 
-    def room(self, decode_rows: int, decode_context: int) -> StepRoom:
+    def room(self, decode_rows: int, decode_context: int, verify: Sequence[Tuple[int, int]] = ()) -> StepRoom:
+        """`verify`: (position, length) of the step's verify rows (speculative/): they
+        count as decode rows for the gap, and their cost is taken from the room."""
         shape = StepShape()
         shape.add_decode(decode_rows, decode_context)
-        gap, tokens = None, self.max_batched_tokens - decode_rows
+        lengths = set()
+        for start, length in verify:
+            shape.add_prefill(start, length, new_forward=length not in lengths)
+            lengths.add(length)
+        gap, tokens = None, self.max_batched_tokens - decode_rows - sum(length for _, length in verify)
+        decode_rows += len(verify)
         if self.urgent and decode_rows:  # decode only, until the requests at risk are done
             self.num_urgent_steps += 1
             return StepRoom(0, self.cost, shape, None, self.min_prefill_tokens)
