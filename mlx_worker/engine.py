@@ -355,8 +355,10 @@ class Engine:
         self.admission.observe(seconds, prefill, plan.decode_like())
         self._stats.step(seconds, plan.decode_like(), prefill)
         if not self.ranks or self.ranks.leader:  # the followers take the leader's fit (_replay_commands)
-            self.budget.cost.observe(shape_of([p for _, p in plan.decode], plan.chunks()), seconds)
+            self.budget.cost.observe(shape_of([p for _, p in plan.decode], plan.chunks(), plan.verify_rows()), seconds)
         outputs = self.scheduler.process(plan, tokens)
+        if self.speculator is not None:
+            self.speculator.step_done(plan, seconds, measure=not self.ranks or self.ranks.leader)
         self._stats.publish(self)
         self._deliver(outputs)
 
@@ -373,6 +375,8 @@ class Engine:
         if self.ranks and not self.ranks.leader:
             return self._replay_commands()
         self.budget.cost.refit()  # here only: the followers get the same fit before the same schedule
+        if self.speculator is not None:
+            self.speculator.realized.refresh()  # likewise
         outputs, applied, taken = [], [], 0
         parked, self._parked = self._parked, []
         for seq, submitted in parked:  # waiting for an adapter slot: in arrival order
@@ -417,6 +421,8 @@ class Engine:
             if coef is not None and (self._sent_coef is None or (coef != self._sent_coef).any()):
                 applied.append(("cost", coef.tolist()))  # every rank sizes steps alike
                 self._sent_coef = coef.copy()
+            if self.speculator is not None and self.speculator.realized.changed:
+                applied.append(("speculation", self.speculator.realized.table()))
             self.ranks.channel.send(applied)
         if taken:  # the figures changed
             self._stats.publish(self)
@@ -459,6 +465,8 @@ class Engine:
                 self.budget.cost.coef = np.array(arg)
             elif cmd == "urgent":
                 self.budget.urgent = arg
+            elif cmd == "speculation":
+                self.speculator.realized.load(arg)
             elif cmd == "stop":
                 self._stop.set()
         if applied:

@@ -270,16 +270,23 @@ class Row:
 
 
 def test_the_budget_drafts_where_verifying_is_cheap_and_drafts_are_right():
-    mac = np.array([0.010, 0.0002, 0.0002, 0.0])  # seconds per forward, decode row, token, pair unit
-    cpu = np.array([0.003, 0.003, 0.003, 0.0])  # a token of a verify row costs a decode row's
+    mac = np.array([0.010, 0.0002, 0.001, 0.0, 0.00005])  # s per forward, decode row, prefill token, pair unit, verify token
+    cpu = np.array([0.003, 0.003, 0.001, 0.0, 0.0])  # a verify token: not measured yet, so a decode row's
     budget = DraftBudget(max_k=8)
     good, poor = Row(0.9), Row(0.1)
-    assert budget.choose([(good, 500, [1] * 8), (Row(0.8), 500, [1] * 8)], [], mac) == [8, 8]
-    assert 0 < budget.choose([(good, 500, [1] * 8)], [], cpu)[0] < 8  # batch 1 on a CPU: a few
-    assert budget.choose([(good, 500, [1] * 8), (poor, 500, [1] * 8)], [], cpu)[1] == 0
-    assert budget.choose([(good, 500, [1, 2])], [], mac) == [2]  # no more than drafted
-    assert budget.choose([(Row(0.3), 500, [1] * 8)] * 32, [], cpu) == [0] * 32  # batch 32 on a CPU
-    assert budget.choose([(good, 500, [1] * 8)], [], None) == [0]  # costs not measured yet
+    assert budget.choose([(good, 500, [1] * 8), (Row(0.8), 500, [1] * 8)], [], [], mac) == (8, [8, 8], False)
+    # On a Mac, rows with no draft verify fillers in the drafting rows' forward rather than
+    # decode in one of their own; a row that must decode (penalties) keeps that forward.
+    assert budget.choose([(good, 500, [1] * 8)], [500] * 6, [], mac) == (8, [8], True)
+    assert budget.choose([(good, 500, [1] * 8)], [], [500] * 6, mac) == (0, [0], False)
+    k, counts, _ = budget.choose([(good, 500, [1] * 8)], [], [], cpu)
+    assert 0 < k < 8 and counts == [k]  # batch 1 on a CPU: a few
+    assert budget.choose([(good, 500, [1] * 8), (poor, 500, [1] * 8)], [], [], cpu)[1][1] == 0
+    assert budget.choose([(good, 500, [1, 2])], [], [], mac) == (2, [2], False)  # no more than drafted pays
+    assert budget.choose([(Row(0.3), 500, [1] * 8)] * 32, [], [], cpu)[0] == 0  # batch 32 on a CPU
+    assert budget.choose([(good, 500, [1] * 8)], [], [], None)[0] == 0  # costs not measured yet
+    assert DraftBudget(max_k=4, adaptive=False).choose([(poor, 9, [1, 2]), (poor, 9, [1] * 9)], [], [], None) \
+        == (4, [2, 4], False)
     assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(1.0, 3) == 4
     budget.observe(poor, 4, 0)
     assert poor.draft_acceptance < 0.1 and budget.prior < 0.5

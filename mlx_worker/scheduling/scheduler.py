@@ -29,6 +29,7 @@ class VerifyRow:
     seq: Sequence
     position: int
     drafts: List[int]
+    proposed: int  # of the drafts, those the drafter proposed (the rest pad the row to the step's length)
 
     @property
     def length(self) -> int:
@@ -52,8 +53,12 @@ class StepPlan:
         return len(self.decode) + len(self.verify)
 
     def chunks(self) -> List[Tuple[int, int]]:
-        """(start, length) of the forwards' multi-token rows: prefill chunks, then verify rows."""
-        return [(c.start, c.length) for c in self.prefills] + [(v.position, v.length) for v in self.verify]
+        """(start, length) of the prefill chunks."""
+        return [(c.start, c.length) for c in self.prefills]
+
+    def verify_rows(self) -> List[Tuple[int, int]]:
+        """(position, length) of the verify rows."""
+        return [(v.position, v.length) for v in self.verify]
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefills or self.verify)
@@ -150,14 +155,13 @@ class Scheduler:
         row, its accepted tokens before its next position is known; drafting, known tokens."""
         if any(s.matcher is not None or s.verifying for s in self.running):
             return True
-        return self.speculator is not None and bool(self.running) and self.speculator.wants_sync()
+        return self.speculator is not None and bool(self.running) and self.speculator.wants_sync(len(self.running))
 
     # --- one step ----------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._schedule_decode(plan)
-        room = self.budget.room(len(plan.decode), sum(pos + 1 for _, pos in plan.decode),
-                                [(v.position, v.length) for v in plan.verify])
+        room = self.budget.room(len(plan.decode), sum(pos + 1 for _, pos in plan.decode), plan.verify_rows())
         for seq in [s for s in self.running if s.next_input is None]:
             self._schedule_prefill(plan, seq, room)
         while self.waiting and room.tokens > 0 and len(self.running) < self.max_running:
@@ -173,20 +177,23 @@ class Scheduler:
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)
-        self.tokens_computed += len(plan.decode) + sum(length for _, length in plan.chunks())
+        self.tokens_computed += len(plan.decode) + sum(length for _, length in plan.chunks() + plan.verify_rows())
         return plan
 
     def _schedule_decode(self, plan: StepPlan) -> None:
         rows = [(s, s.num_computed) for s in self.running if s.next_input is not None and not s.verifying
                 and s.num_scheduled_output < s.params.max_tokens]
-        drafts = self.speculator.plan(rows, self.budget.cost.coef) if self.speculator and rows else [[]] * len(rows)
-        for (seq, position), draft in zip(rows, drafts):
+        # A step with prefill chunks runs their forward too: no verify forward beside it.
+        prefill = bool(self.waiting) or any(s.next_input is None for s in self.running)
+        drafts = (self.speculator.plan(rows, self.budget.cost.coef) if self.speculator and rows and not prefill
+                  else [([], 0)] * len(rows))
+        for (seq, position), (draft, proposed) in zip(rows, drafts):
             if seq.status != Status.RUNNING:
                 continue  # preempted for an earlier row's pages
             if not self._reserve(seq, position + 1 + len(draft)):
                 continue
             if draft:
-                plan.verify.append(VerifyRow(seq, position, draft))
+                plan.verify.append(VerifyRow(seq, position, draft, proposed))
                 seq.verifying = True
             else:
                 plan.decode.append((seq, position))
@@ -348,7 +355,7 @@ class Scheduler:
         seq.num_computed -= rejected
         seq.num_tokens -= rejected
         seq.next_input = mx.array([sampled[accepted]], mx.int32)
-        self.speculator.observe(seq, len(verify.drafts), accepted, accepted + 1)
+        self.speculator.observe(seq, verify.proposed, min(accepted, verify.proposed), accepted + 1)
         return sampled[: accepted + 1]
 
     def _append(self, seq: Sequence, toks: List[int]) -> RequestOutput:

@@ -66,7 +66,7 @@ class StepBudget:
         shape.add_decode(decode_rows, decode_context)
         lengths = set()
         for start, length in verify:
-            shape.add_prefill(start, length, new_forward=length not in lengths)
+            shape.add_verify(start, length, new_forward=length not in lengths)
             lengths.add(length)
         gap, tokens = None, self.max_batched_tokens - decode_rows - sum(length for _, length in verify)
         decode_rows += len(verify)

@@ -1,8 +1,9 @@
 """What a step costs on this model and machine, measured online.
 
-A step's time is modelled as linear in four features of its plan: forwards (each reads
-every weight once), decode rows, prefill tokens, and attention pairs (query x key
-positions: where long contexts cost). The coefficients are a least-squares fit over the
+A step's time is modelled as linear in five features of its plan: forwards (each reads
+every weight once), decode rows, prefill tokens, attention pairs (query x key
+positions: where long contexts cost), and the tokens of speculative verify rows (a few
+per row: they cost like neither a decode row nor a long chunk's token). The coefficients are a least-squares fit over the
 recent steps (exponentially forgotten, so they follow a machine that slows down or a
 model warming up), never negative. Until a few steps are measured there is no
 prediction, and the scheduler falls back to its token budget.
@@ -26,6 +27,7 @@ class StepShape:
     decode_rows: int = 0
     prefill_tokens: int = 0
     pairs: float = 0.0  # attention query x key positions
+    verify_tokens: int = 0
 
     def add_decode(self, rows: int, context: int) -> None:
         """`rows` decode rows attending to `context` key positions in all."""
@@ -39,8 +41,15 @@ class StepShape:
         self.prefill_tokens += length
         self.pairs += prefill_pairs(start, length)
 
+    def add_verify(self, start: int, length: int, new_forward: bool = True) -> None:
+        """A verify row: a few queries read the keys once, like a decode row's one."""
+        self.forwards += new_forward
+        self.verify_tokens += length
+        self.pairs += start + length
+
     def features(self) -> np.ndarray:
-        return np.array([self.forwards, self.decode_rows, self.prefill_tokens, self.pairs / PAIRS_UNIT])
+        return np.array([self.forwards, self.decode_rows, self.prefill_tokens, self.pairs / PAIRS_UNIT,
+                         self.verify_tokens])
 
 
 def prefill_pairs(start: int, length: int) -> float:
@@ -53,10 +62,10 @@ class StepCost:
 
     def __init__(self, forget: float = FORGET):
         self.forget = forget
-        self._xtx = np.zeros((4, 4))
-        self._xty = np.zeros(4)
+        self._xtx = np.zeros((5, 5))
+        self._xty = np.zeros(5)
         self.num_observed = 0
-        self.coef: Optional[np.ndarray] = None  # seconds per forward, row, token, PAIRS_UNIT pairs
+        self.coef: Optional[np.ndarray] = None  # seconds per forward, row, token, PAIRS_UNIT pairs, verify token
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A measured step; the fit takes it in at the next `refit`."""
@@ -81,7 +90,7 @@ class StepCost:
     def prefill_room(self, shape: StepShape, start: int, seconds: float, new_forward: bool) -> int:
         """The longest chunk after `start` cached tokens that adds at most `seconds` to
         `shape`'s step (0 when even one token would not fit)."""
-        c_fwd, _, c_tok, c_pair = self.coef
+        c_fwd, _, c_tok, c_pair, _ = self.coef
         room = seconds - (c_fwd if new_forward else 0.0)
         if room <= 0:
             return 0
@@ -95,8 +104,8 @@ class StepCost:
     def describe(self) -> dict:
         if self.coef is None:
             return {}
-        names = ("forward_ms", "decode_row_ms", "prefill_token_ms", "attention_ms_per_mpair")
-        scale = (1e3, 1e3, 1e3, 1e3 * 1e6 / PAIRS_UNIT)
+        names = ("forward_ms", "decode_row_ms", "prefill_token_ms", "attention_ms_per_mpair", "verify_token_ms")
+        scale = (1e3, 1e3, 1e3, 1e3 * 1e6 / PAIRS_UNIT, 1e3)
         return {k: float(c * s) for k, c, s in zip(names, self.coef, scale)}
 
 
@@ -117,13 +126,18 @@ def _nonnegative_solve(xtx: np.ndarray, xty: np.ndarray) -> np.ndarray:
     return coef
 
 
-def shape_of(decode_positions: Sequence[int], chunks: Sequence[tuple]) -> StepShape:
-    """The StepShape of a plan: decode rows at `decode_positions`, prefill `chunks` as
-    (start, length), one forward per distinct chunk length (as the worker runs them)."""
+def shape_of(decode_positions: Sequence[int], chunks: Sequence[tuple], verify: Sequence[tuple] = ()) -> StepShape:
+    """The StepShape of a plan: decode rows at `decode_positions`, prefill `chunks` and
+    `verify` rows as (start, length), one forward per distinct length of each (as the
+    worker runs them)."""
     shape = StepShape()
     shape.add_decode(len(decode_positions), sum(p + 1 for p in decode_positions))
     lengths = set()
     for start, length in chunks:
         shape.add_prefill(start, length, new_forward=length not in lengths)
+        lengths.add(length)
+    lengths = set()
+    for start, length in verify:
+        shape.add_verify(start, length, new_forward=length not in lengths)
         lengths.add(length)
     return shape

@@ -2,13 +2,18 @@
 
 A verify row feeding 1 + k tokens emits 1 + a of them, a the drafts accepted; with a
 per-token acceptance rate alpha it emits E(k) = 1 + alpha + ... + alpha^k on average.
-Its cost is a prefill chunk's in the step cost model (step_cost.py), against a decode
-row's: on a Mac a few more tokens per row cost little beside reading the weights; on a
-CPU they cost nearly a token each at large batches. Each step, for each k up to the
-configured most and each m, the m rows of best acceptance verify k drafts (fewer where
-they have fewer); the plan of most tokens per second wins, and none at all when none
-beats the plain decode step by MARGIN (speculation also gives up building the next
-step ahead). Rows of one verify length share a forward, so each length adds one.
+The verify rows of a step share one forward of one length (a row with fewer drafts is
+padded with filler drafts, verified like any), beside the decode forward of the other
+rows; the step cost model (step_cost.py) measures what a verify token costs (until it
+has, a decode row's cost is assumed).
+A forward reads every weight once, so on a Mac, and even on this CPU, a few more tokens
+per row cost little beside it; at large batches on a CPU each costs nearly a decode row.
+
+Each step, for each k up to the configured most, the plans are: the m rows of best
+expected gain verify (for each m) and the rest decode, or every row that may verify does
+(rows without a draft too: one forward instead of two). The plan of most tokens per
+second wins; none at all unless it beats the plain decode step by MARGIN (speculation
+also gives up building the next step ahead).
 
 alpha is measured per row (an average over its recent drafts, starting at the method's
 rate over all rows), so a row whose drafts keep failing stops drafting.
@@ -18,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..scheduling.step_cost import PAIRS_UNIT, prefill_pairs
+from ..scheduling.step_cost import PAIRS_UNIT
 
 MARGIN = 1.05  # speculation must promise this much more than a decode step
 ROW_MEMORY = 0.7  # per verify: weight of a row's earlier acceptance
@@ -46,37 +51,46 @@ class DraftBudget:
         seq.draft_acceptance = ROW_MEMORY * self.acceptance(seq) + (1 - ROW_MEMORY) * rate
         self.prior = PRIOR_MEMORY * self.prior + (1 - PRIOR_MEMORY) * rate
 
-    def choose(self, rows: Sequence[Tuple[object, int, List[int]]], decode_positions: Sequence[int],
-               coef: Optional[np.ndarray]) -> List[int]:
-        """Draft tokens for each of `rows` (seq, position, proposed drafts); the step also
-        decodes rows at `decode_positions`. `coef`: the step cost fit (None: unknown)."""
+    def choose(self, rows: Sequence[Tuple[object, int, List[int]]], foldable: Sequence[int],
+               fixed: Sequence[int], coef: Optional[np.ndarray]) -> Tuple[int, List[int], bool]:
+        """The step's verify plan: (k, drafts each of `rows` verifies, fold). `rows`: (seq,
+        position, proposed drafts); `foldable`: positions of rows that may verify without
+        a draft (fold: they do, with fillers); `fixed`: positions of rows that decode.
+        k = 0: no verify forward. `coef`: the step cost fit (None: unknown)."""
         if not self.adaptive:
-            return [min(self.max_k, len(d)) for _, _, d in rows]
+            counts = [min(self.max_k, len(d)) for _, _, d in rows]
+            return max(counts, default=0), counts, False
+        none = (0, [0] * len(rows), False)
         if coef is None or not rows:
-            return [0] * len(rows)
-        c_fwd, c_row, c_tok, c_pair = coef
-        positions = [p for _, p, _ in rows] + list(decode_positions)
-        base_time = c_fwd + c_row * len(positions) + c_pair * sum(p + 1 for p in positions) / PAIRS_UNIT
-        base_rate = len(positions) / base_time if base_time > 0 else 0.0
-        order = sorted(range(len(rows)), key=lambda i: -self.acceptance(rows[i][0]))
-        best, best_rate = [0] * len(rows), MARGIN * base_rate
+            return none
+        c_fwd, c_row, _, c_pair, c_verify = coef
+        c_verify = c_verify or c_row  # not measured yet: a decode row's (no guess that it is cheaper)
+
+        def rate(tokens, decoding, decode_pairs, verifying, verify_pairs, length):
+            t = (c_fwd * ((decoding > 0) + (verifying > 0)) + c_row * decoding + c_verify * length * verifying
+                 + c_pair * (decode_pairs + verify_pairs) / PAIRS_UNIT)
+            return tokens / t if t > 0 else 0.0
+
+        positions = [p for _, p, _ in rows] + list(foldable) + list(fixed)
+        all_pairs = sum(p + 1 for p in positions)
+        best, best_rate = none, MARGIN * rate(len(positions), len(positions), all_pairs, 0, 0, 0)
         for k in range(1, self.max_k + 1):
-            # Rows verify in order of acceptance: the best first m of them, for any m (one
-            # row alone may not pay for a forward of its own where all of them would).
-            time, tokens, decoding = base_time - c_fwd, float(len(positions)), len(positions)
-            lengths, chosen = set(), [0] * len(rows)
+            gains = [expected_tokens(self.acceptance(seq), min(k, len(d))) - 1 for seq, _, d in rows]
+            order = sorted(range(len(rows)), key=lambda i: -gains[i])
+            tokens, decoding, decode_pairs, verify_pairs = float(len(positions)), len(positions), all_pairs, 0.0
+            chosen = [0] * len(rows)
             for i in order:
-                seq, p, drafts = rows[i]
-                n = min(k, len(drafts))
-                if n == 0:
-                    continue
-                time += (c_tok * (n + 1) - c_row + c_pair * (prefill_pairs(p, n + 1) - p - 1) / PAIRS_UNIT
-                         + c_fwd * (n not in lengths))
-                tokens += expected_tokens(self.acceptance(seq), n) - 1
-                decoding -= 1
-                lengths.add(n)
-                chosen[i] = n
-                rate = tokens / (time + c_fwd * (decoding > 0))
-                if rate > best_rate:
-                    best, best_rate = list(chosen), rate
+                p = rows[i][1]
+                tokens += gains[i]
+                decoding, decode_pairs = decoding - 1, decode_pairs - p - 1
+                verify_pairs += p + k + 1
+                chosen[i] = min(k, len(rows[i][2]))
+                r = rate(tokens, decoding, decode_pairs, len(positions) - decoding, verify_pairs, k + 1)
+                if r > best_rate:
+                    best, best_rate = (k, list(chosen), False), r
+            if foldable:  # every row that may verify does: the decode forward holds only `fixed` ones
+                fold_pairs = verify_pairs + sum(p + k + 1 for p in foldable)
+                r = rate(tokens, len(fixed), sum(p + 1 for p in fixed), len(positions) - len(fixed), fold_pairs, k + 1)
+                if r > best_rate:
+                    best, best_rate = (k, list(chosen), True), r
         return best

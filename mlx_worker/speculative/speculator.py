@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 from .config import SpeculativeConfig
 from .draft_budget import DraftBudget
 from .drafters import make_drafter
+from .realized_rate import RealizedRate
 
 PROBE_STEPS = 8
 
@@ -27,6 +28,8 @@ class Speculator:
         self.budget = DraftBudget(config.num_draft_tokens, config.adaptive)
         self.steps_without = PROBE_STEPS  # schedules since the last one that drafted
         self.drafted = self.accepted = self.verifies = self.emitted = 0
+        self.realized = RealizedRate()
+        self._emitted_seen = 0
 
     @staticmethod
     def eligible(seq) -> bool:
@@ -35,30 +38,57 @@ class Speculator:
                 and not p.presence_penalty and not p.frequency_penalty
                 and p.max_tokens - seq.num_scheduled_output >= 2)
 
-    def wants_sync(self) -> bool:
-        """Whether the next schedule should see every token first (to draft from it)."""
-        return self.steps_without >= PROBE_STEPS
+    def wants_sync(self, rows: int) -> bool:
+        """Whether the next schedule of `rows` decoding rows should see every token first
+        (to draft from it)."""
+        return self.steps_without >= PROBE_STEPS and self.allows(rows)
 
-    def plan(self, rows: Sequence[Tuple[object, int]], coef) -> List[List[int]]:
-        """Drafts for each decoding row (seq, position) this step ([]: decode normally)."""
+    def allows(self, rows: int) -> bool:
+        return not self.config.adaptive or self.realized.allows(rows)
+
+    def plan(self, rows: Sequence[Tuple[object, int]], coef) -> List[Tuple[List[int], int]]:
+        """For each decoding row (seq, position) this step: (drafts to verify, how many of
+        them were proposed; the rest are fillers to the step's verify length). ([], 0):
+        decode normally."""
         k = self.config.num_draft_tokens
-        proposed = [(s, p, self.drafter.propose(s, min(k, s.params.max_tokens - s.num_scheduled_output - 1))
-                     if self.eligible(s) else []) for s, p in rows]
-        candidates = [i for i, (_, _, d) in enumerate(proposed) if d]
-        others = [p for _, p, d in proposed if not d]
-        counts = self.budget.choose([proposed[i] for i in candidates], others, coef)
-        drafts: List[List[int]] = [[] for _ in rows]
-        for i, n in zip(candidates, counts):
-            drafts[i] = proposed[i][2][:n]
-        self.steps_without = 0 if any(drafts) else self.steps_without + 1
+        allowed = self.allows(len(rows))
+        self.realized.tried(len(rows), allowed)
+        if not allowed:
+            self.steps_without += 1
+            return [([], 0)] * len(rows)
+        room = [s.params.max_tokens - s.num_scheduled_output - 1 for s, _ in rows]
+        eligible = [self.eligible(s) for s, _ in rows]
+        proposed = [self.drafter.propose(s, min(k, r)) if ok else [] for (s, _), r, ok in zip(rows, room, eligible)]
+        candidates = [i for i, d in enumerate(proposed) if d]
+        foldable = [i for i, d in enumerate(proposed) if eligible[i] and not d]
+        fixed = [p for (_, p), ok in zip(rows, eligible) if not ok]
+        k, counts, fold = self.budget.choose([(*rows[i], proposed[i]) for i in candidates],
+                                             [rows[i][1] for i in foldable], fixed, coef)
+        drafts: List[Tuple[List[int], int]] = [([], 0)] * len(rows)
+        real = dict(zip(candidates, counts))
+        for i in candidates + (foldable if fold else []):
+            n = real.get(i, 0)
+            if (n or fold) and room[i] >= k:
+                own = proposed[i][:n]
+                drafts[i] = (own + [own[-1] if own else rows[i][0].tokens[-1]] * (k - n), n)
+        self.steps_without = 0 if k else self.steps_without + 1
         return drafts
 
     def observe(self, seq, drafted: int, accepted: int, emitted: int) -> None:
-        self.budget.observe(seq, drafted, accepted)
+        if drafted:
+            self.budget.observe(seq, drafted, accepted)
         self.verifies += 1
         self.drafted += drafted
         self.accepted += accepted
         self.emitted += emitted
+
+    def step_done(self, plan, seconds: float, measure: bool = True) -> None:
+        """A finished step's time (after its tokens were processed): decode steps feed
+        the realized rates (`measure`: on this rank's clock, the leader's)."""
+        emitted = len(plan.decode) + self.emitted - self._emitted_seen
+        self._emitted_seen = self.emitted
+        if measure and not plan.prefills:
+            self.realized.observe(plan.decode_like(), bool(plan.verify), emitted, seconds)
 
     def finished(self, seq) -> None:
         self.drafter.finished(seq)
@@ -67,7 +97,7 @@ class Speculator:
         return {"method": self.config.method, "verify_rows": self.verifies, "drafted_tokens": self.drafted,
                 "accepted_tokens": self.accepted, "acceptance_rate": self.accepted / max(1, self.drafted),
                 "tokens_per_verify_row": self.emitted / max(1, self.verifies),
-                "method_acceptance_estimate": self.budget.prior}
+                "method_acceptance_estimate": self.budget.prior, "realized": self.realized.stats()}
 
 
 def speculator_for(config: Optional[SpeculativeConfig], recurrent: bool, drafter=None) -> Optional[Speculator]:
