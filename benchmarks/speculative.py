@@ -2,7 +2,8 @@
 on copy-heavy and free-form requests at 1, 8 and 32 concurrent requests.
 
     python benchmarks/speculative.py [--model PATH] [--concurrency 1 8 32] [--max-tokens 160]
-                                     [--methods ngram suffix] [--quick]
+                                     [--methods ngram suffix] [--workloads copy-heavy free-form]
+                                     [--order abba|ab] [--quick]
 
 copy-heavy  rewrite a file exactly, rename a function in it, repeat a text: most of the
             answer is in the prompt (what coding agents and editors ask).
@@ -12,7 +13,8 @@ after another, through one engine (the default config and pool, one warm-up requ
 first); decode tok/s counts the tokens after each request's first while every loop was
 busy (the batch at its full size), `per request` is a request's own decode tok/s on
 average (what a user waits for), and the ratios are over the same cell without
-speculation. The greedy answers must be
+speculation. With --order abba (the default) each cell runs off, on, on, off and
+averages, so that the CPU's drift over minutes cancels; acceptance is the last run's. The greedy answers must be
 the same on and off (the run fails otherwise).
 
 peer        mlx-lm's own speculative generation at batch 1 (`stream_generate` with a
@@ -155,24 +157,35 @@ def main():
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--methods", nargs="+", default=["ngram"])
-    ap.add_argument("--rounds", type=int, default=3, help="requests per client loop")
+    ap.add_argument("--order", choices=["abba", "ab"], default="abba",
+                    help="abba: off, on, on, off in each cell, figures averaged (the CPU's speed drifts)")
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--rounds", type=int, default=2, help="requests per client loop")
     ap.add_argument("--quick", action="store_true", help="concurrency 1 and 8, 64 tokens")
     args = ap.parse_args()
     if args.quick:
         args.concurrency, args.max_tokens, args.rounds = [1, 8], 64, 2
     model, tok = load_model(args.model)
     rows, failures = [], []
-    for workload, make in WORKLOADS.items():
+    for workload in args.workloads:
+        make = WORKLOADS[workload]
         for c in args.concurrency:
             prompts = [tok.apply_chat_template(make(i), add_generation_prompt=True) for i in range(c * args.rounds)]
-            base, base_rate, base_request, _ = run_engine(model, tok, None, prompts, c, args.max_tokens)
-            rows.append((workload, c, "off", base_rate, base_request, None, None, 1.0, 1.0))
-            for method in args.methods:
-                answers, rate, request, st = run_engine(model, tok, {"method": method}, prompts, c, args.max_tokens)
-                if answers != base:
-                    failures.append(f"{workload} @{c} {method}: answers differ from speculation off")
-                rows.append((workload, c, method, rate, request, st["acceptance_rate"], st["tokens_per_verify_row"],
-                             rate / base_rate, request / base_request))
+            configs = ["off"] + args.methods
+            order = configs + configs[::-1] if args.order == "abba" else configs  # abba: drift cancels
+            runs = {}
+            for name in order:
+                spec = None if name == "off" else {"method": name}
+                runs.setdefault(name, []).append(run_engine(model, tok, spec, prompts, c, args.max_tokens))
+            base = runs["off"][0][0]
+            mean = lambda name, i: sum(r[i] for r in runs[name]) / len(runs[name])  # noqa: E731
+            for name in configs:
+                if any(r[0] != base for r in runs[name]):
+                    failures.append(f"{workload} @{c} {name}: answers differ from speculation off")
+                st = runs[name][-1][3]
+                rows.append((workload, c, name, mean(name, 1), mean(name, 2), st and st["acceptance_rate"],
+                             st and st["tokens_per_verify_row"], mean(name, 1) / mean("off", 1),
+                             mean(name, 2) / mean("off", 2)))
             print(table(HEADERS, rows[-1 - len(args.methods):]), flush=True)
     print("\n## engine, speculation off and on\n")
     print(table(HEADERS, rows))

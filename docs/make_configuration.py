@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mlx_worker.config import EngineConfig  # noqa: E402
+from mlx_worker.speculative.config import SpeculativeConfig  # noqa: E402
 from serve_app.config import AppArgs, ModelArgs, ReplicaGroupArgs  # noqa: E402
 from serve_app.routing.prefix_policy import PrefixAffinityConfig  # noqa: E402
 
@@ -51,6 +52,9 @@ SECTIONS = [
     (EngineConfig, "Engine: `args.engine:`",
      "One engine per replica (`mlx_worker.EngineConfig`); the same keys work in `Engine(EngineConfig(...))`. "
      "In the app, `model` is the app's."),
+    (SpeculativeConfig, "Speculative decoding: `args.engine.speculative:`",
+     "Drafts verified in the batched step (docs/engine.md, speculative decoding); the same answers, greedy or seeded. "
+     "Example: `speculative: {method: ngram}`."),
     (ReplicaGroupArgs, "Replica groups: `args.replica_groups[]`",
      "Replicas of different sizes in one app (docs/cluster.md section 8); each group's unset keys take the app's."),
     (PrefixAffinityConfig, "Router: `args.router_kwargs:`", "Knobs of the prefix-affinity router (`router: prefix`)."),
@@ -67,6 +71,7 @@ def default_of(field) -> str:
 
 def type_of(field) -> str:
     text = str(field.annotation).replace("typing.", "").replace("NoneType", "None").replace("serve_app.config.", "")
+    text = text.replace("mlx_worker.speculative.config.", "")
     return text.replace("<class '", "").replace("'>", "").replace("|", "\\|")
 
 

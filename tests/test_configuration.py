@@ -83,3 +83,19 @@ def test_the_team_farm_of_docs_models_md_is_a_valid_config():
 def test_a_wrong_models_list_is_an_error_that_says_why(args, message):
     with pytest.raises(ValidationError, match=message):
         AppArgs.model_validate(args)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"num_draft_tokens": 0}, "greater than or equal to 1"),
+    ({"num_draft_tokens": 17}, "less than or equal to 16"),
+    ({"method": "draft"}, "'draft' \\(a draft model\\) is not built yet"),
+    ({"method": "mtp"}, "is not built yet"),
+    ({"method": "eagle"}, "'ngram' or 'suffix'"),
+    ({"num_draft_token": 3}, "did you mean 'num_draft_tokens'"),
+])
+def test_the_speculative_section_is_checked_at_startup(spec, message):
+    args = AppArgs(engine={"speculative": {"method": "suffix", "num_draft_tokens": 8}})
+    assert EngineConfig.model_validate(args.engine).speculative.num_draft_tokens == 8
+    assert EngineConfig().speculative is None  # off unless asked for
+    with pytest.raises(ValidationError, match=message):
+        AppArgs(engine={"speculative": spec})

@@ -298,7 +298,7 @@ def test_replica_killed_under_load(farm):
 
 
 # --- 3. bounded soak -------------------------------------------------------------------
-SOAK_S = float(os.environ.get("MACFARM_SOAK_S", 20))  # bounded in make test; MACFARM_SOAK_S=600 for a real soak
+SOAK_S = float(os.environ.get("MACFARM_SOAK_S", 12))  # bounded in make test; MACFARM_SOAK_S=600 for a real soak
 SOAK_STREAMS = 64
 SOAK_TOKENS = 24
 SOAK_MAX_REQUESTS = SOAK_STREAMS * 60  # a bound besides the clock (about 470 fit in 20 s here)

@@ -229,7 +229,7 @@ def test_ngram_drafts_on_a_copying_request_of_the_default_model():
     answers = []
     for spec in (None, {"method": "ngram"}, {"method": "suffix", "adaptive": False}):
         eng = Engine(EngineConfig(speculative=spec, max_total_tokens=1024), model=real, tokenizer=tok)
-        req = Request(rid="copy", prompt_ids=prompt, params=SamplingParams(max_tokens=40, temperature=0.0))
+        req = Request(rid="copy", prompt_ids=prompt, params=SamplingParams(max_tokens=32, temperature=0.0))
         toks, last = run(eng, [req])[0]
         answers.append((toks, last.finish_reason))
         st = eng.stats()["speculative"]

@@ -36,6 +36,7 @@ def prompts(n, lo, hi, seed=0):
 BATCH = prompts(6, 3, 70, seed=1) + prompts(1, 90, 91, seed=2)  # the last one is chunked (32-token steps)
 SHARED = prompts(1, 70, 71, seed=3)[0]
 PREEMPT = prompts(4, 30, 40, seed=4)
+AGAIN = prompts(3, 10, 20, seed=5)  # sent twice: the second time, drafted from the first's outputs
 
 
 def _collect(engine, rid, prompt, params):
@@ -93,6 +94,15 @@ def _rank_main(rank, hosts, leader, task, arch, split, queue):
 
         if task == "scenarios":
             result = _scenarios(engine_for, rank)
+        elif task == "speculative":  # every rank drafts alike and verifies the same rows
+            engine = engine_for(max_total_tokens=4096,
+                                speculative={"method": "suffix", "num_draft_tokens": 3, "adaptive": False})
+            result = None
+            if rank == 0:
+                first = [toks for toks, _ in run_requests(engine, AGAIN, 24)]
+                result = (first + [toks for toks, _ in run_requests(engine, AGAIN, 24)], engine.stats()["speculative"])
+                engine.shutdown()
+            engine.join(60)
         else:  # "kill": rank 1 dies while rank 0 decodes; "fail<r>": a step fails on rank r only
             engine = engine_for(max_total_tokens=4096)
             if task == "kill" and rank == 1:
@@ -171,6 +181,14 @@ def test_two_ranks_equal_the_single_rank_engine(arch, split):
     assert got["preemptions"] > 0
     for prompt, toks in zip(PREEMPT, got["preempt"]):
         assert toks == reference_greedy(model, prompt, 16)
+
+
+def test_two_ranks_verify_drafts_as_one_engine():
+    model = make_tiny_model("llama")
+    got, stats = run_ranks("speculative")
+    for prompt, toks in zip(AGAIN + AGAIN, got):
+        assert toks == reference_greedy(model, prompt, 24)
+    assert stats["accepted_tokens"] >= 40  # the second time round, most of each answer drafted and accepted
 
 
 def test_each_rank_holds_only_its_shard(tmp_path):

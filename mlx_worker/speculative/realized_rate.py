@@ -4,7 +4,7 @@ with and without verify rows, per batch size.
 The draft budget predicts from the step cost model; this checks the prediction against
 the clock, since a linear fit over steady batches can be wrong about what a verify token
 costs. While verifying steps at a batch size emit fewer tokens per second than plain
-ones, that batch size decodes plainly, trying verification again every EXPLORE_STEPS
+ones (by MARGIN), that batch size decodes plainly, trying verification again every EXPLORE_STEPS
 steps so that a change (other requests, other acceptance) is seen.
 
 Measured steps are taken in at one point of the engine loop (`refresh`), where a sharded
@@ -15,7 +15,8 @@ decide alike, and only the leader's clock counts.
 from typing import Dict, List, Optional
 
 MEMORY = 0.8  # per step: weight of the earlier steps' rate
-EXPLORE_STEPS = 40
+MARGIN = 1.03  # verifying steps must beat plain ones by this much (step times are noisy)
+EXPLORE_STEPS = 100
 
 
 def batch_bucket(rows: int) -> int:
@@ -33,7 +34,7 @@ class RealizedRate:
     def allows(self, rows: int) -> bool:
         b = batch_bucket(rows)
         plain, verifying = self.rates.get(b, [None, None])
-        if plain is None or verifying is None or verifying >= plain:
+        if plain is None or verifying is None or verifying >= MARGIN * plain:
             return True
         return self.since_try.get(b, 0) >= EXPLORE_STEPS
 

@@ -80,8 +80,13 @@ class ReplicaMetrics:
                             description="How long this replica took to load its model and build its engine.")
         self.hit_rate = Gauge("macfarm_prefix_cache_hit_rate",
                               description="Prompt tokens found in the prefix cache / prompt tokens looked up, since start.")
+        self.drafted = Counter("macfarm_speculative_draft_tokens", tag_keys=("method",),
+                               description="Draft tokens verified (speculative decoding), by drafting method.")
+        self.accepted = Counter("macfarm_speculative_accepted_tokens", tag_keys=("method",),
+                                description="Of those, tokens accepted (each one a decode step saved).")
         self._seen = {"preemptions": 0, "evictions": 0, "decode_steps_staged": 0, "decode_steps_gathered": 0,
-                      "decode_steps_restaged": 0, "refused_overloaded": 0, "tokens_computed": 0, "tokens_wasted": 0}
+                      "decode_steps_restaged": 0, "refused_overloaded": 0, "tokens_computed": 0, "tokens_wasted": 0,
+                      "drafted_tokens": 0, "accepted_tokens": 0}
 
     def update(self, st: Dict[str, Any]) -> None:
         """Gauges (and counters of cumulative engine totals) from `engine.stats()`."""
@@ -104,6 +109,12 @@ class ReplicaMetrics:
             if delta > 0:
                 counter.inc(delta)
                 self._seen[key] = st[key]
+        spec = st.get("speculative")
+        for key, counter in (("drafted_tokens", self.drafted), ("accepted_tokens", self.accepted)):
+            delta = (spec[key] if spec else 0) - self._seen[key]
+            if delta > 0:
+                counter.inc(delta, tags={"method": spec["method"]})
+                self._seen[key] = spec[key]
         for phase, n in st["late"].items():
             if n > self._late_seen.get(phase, 0):
                 self.late.inc(n - self._late_seen.get(phase, 0), tags={"phase": phase})
