@@ -271,7 +271,7 @@ class Row:
 
 def test_the_budget_drafts_where_verifying_is_cheap_and_drafts_are_right():
     mac = np.array([0.010, 0.0002, 0.001, 0.0, 0.00005])  # s per forward, decode row, prefill token, pair unit, verify token
-    cpu = np.array([0.003, 0.003, 0.001, 0.0, 0.0])  # a verify token: not measured yet, so a decode row's
+    cpu = np.array([0.003, 0.003, 0.001, 0.0, 0.003])  # a verify token costs a decode row
     budget = DraftBudget(max_k=8)
     good, poor = Row(0.9), Row(0.1)
     assert budget.choose([(good, 500, [1] * 8), (Row(0.8), 500, [1] * 8)], [], [], mac) == (8, [8, 8], False)
@@ -285,6 +285,8 @@ def test_the_budget_drafts_where_verifying_is_cheap_and_drafts_are_right():
     assert budget.choose([(good, 500, [1, 2])], [], [], mac) == (2, [2], False)  # no more than drafted pays
     assert budget.choose([(Row(0.3), 500, [1] * 8)] * 32, [], [], cpu)[0] == 0  # batch 32 on a CPU
     assert budget.choose([(good, 500, [1] * 8)], [], [], None)[0] == 0  # costs not measured yet
+    unmeasured = np.array([0.003, 0.003, 0.0003, 0.0, 0.0])  # verify tokens: a prefill token's until measured
+    assert budget.choose([(Row(0.3), 500, [1] * 8)] * 32, [], [], unmeasured)[0] > 0
     assert DraftBudget(max_k=4, adaptive=False).choose([(poor, 9, [1, 2]), (poor, 9, [1] * 9)], [], [], None) \
         == (4, [2, 4], False)
     assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(1.0, 3) == 4

@@ -5,7 +5,7 @@ per-token acceptance rate alpha it emits E(k) = 1 + alpha + ... + alpha^k on ave
 The verify rows of a step share one forward of one length (a row with fewer drafts is
 padded with filler drafts, verified like any), beside the decode forward of the other
 rows; the step cost model (step_cost.py) measures what a verify token costs (until it
-has, a decode row's cost is assumed).
+has, a prefill token's cost is assumed, so that verification gets tried and measured).
 A forward reads every weight once, so on a Mac, and even on this CPU, a few more tokens
 per row cost little beside it; at large batches on a CPU each costs nearly a decode row.
 
@@ -63,8 +63,10 @@ class DraftBudget:
         none = (0, [0] * len(rows), False)
         if coef is None or not rows:
             return none
-        c_fwd, c_row, _, c_pair, c_verify = coef
-        c_verify = c_verify or c_row  # not measured yet: a decode row's (no guess that it is cheaper)
+        c_fwd, c_row, c_tok, c_pair, c_verify = coef
+        # Not measured yet: a prefill token's, so that verification is tried and measured
+        # (realized_rate.py turns it off where the clock disagrees).
+        c_verify = c_verify or c_tok or c_row
 
         def rate(tokens, decoding, decode_pairs, verifying, verify_pairs, length):
             t = (c_fwd * ((decoding > 0) + (verifying > 0)) + c_row * decoding + c_verify * length * verifying

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 MEMORY = 0.8  # per step: weight of the earlier steps' rate
 MARGIN = 1.03  # verifying steps must beat plain ones by this much (step times are noisy)
 EXPLORE_STEPS = 100
+MIN_STEPS = 8  # verifying steps measured at a batch size before they can turn it off
 
 
 def batch_bucket(rows: int) -> int:
@@ -28,13 +29,14 @@ class RealizedRate:
     def __init__(self):
         self.rates: Dict[int, List[Optional[float]]] = {}  # bucket -> [plain, verifying] tokens/s
         self.since_try: Dict[int, int] = {}  # bucket -> steps since verification was last allowed
+        self.verified: Dict[int, int] = {}  # bucket -> verifying steps measured
         self.pending: List[tuple] = []  # measured steps not taken in yet
         self.changed = False  # since the table was last sent
 
     def allows(self, rows: int) -> bool:
         b = batch_bucket(rows)
         plain, verifying = self.rates.get(b, [None, None])
-        if plain is None or verifying is None or verifying >= MARGIN * plain:
+        if plain is None or self.verified.get(b, 0) < MIN_STEPS or verifying >= MARGIN * plain:
             return True
         return self.since_try.get(b, 0) >= EXPLORE_STEPS
 
@@ -49,6 +51,7 @@ class RealizedRate:
 
     def refresh(self) -> None:
         for b, verified, now in self.pending:
+            self.verified[b] = self.verified.get(b, 0) + verified
             rate = self.rates.setdefault(b, [None, None])
             rate[verified] = now if rate[verified] is None else MEMORY * rate[verified] + (1 - MEMORY) * now
         self.changed |= bool(self.pending)
@@ -56,10 +59,11 @@ class RealizedRate:
 
     def table(self) -> list:
         self.changed = False
-        return [[b, *r] for b, r in self.rates.items()]
+        return [[b, *r, self.verified.get(b, 0)] for b, r in self.rates.items()]
 
     def load(self, table: list) -> None:
-        self.rates = {b: [plain, verifying] for b, plain, verifying in table}
+        self.rates = {b: [plain, verifying] for b, plain, verifying, _ in table}
+        self.verified = {b: n for b, _, _, n in table}
 
     def stats(self) -> dict:
         return {f"batch_{1 << (b - 1)}+": {"plain_tokens_per_s": r[0], "verifying_tokens_per_s": r[1]}
