@@ -65,8 +65,9 @@ class DraftBudget:
             return none
         c_fwd, c_row, c_tok, c_pair, c_verify = coef
         # Not measured yet: a prefill token's, so that verification is tried and measured
-        # (realized_rate.py turns it off where the clock disagrees).
-        c_verify = c_verify or c_tok or c_row
+        # (realized_rate.py turns it off where the clock disagrees); rows without drafts
+        # join the verify forward only once its cost is known.
+        measured, c_verify = c_verify > 0, c_verify or c_tok or c_row
 
         def rate(tokens, decoding, decode_pairs, verifying, verify_pairs, length):
             t = (c_fwd * ((decoding > 0) + (verifying > 0)) + c_row * decoding + c_verify * length * verifying
@@ -90,7 +91,7 @@ class DraftBudget:
                 r = rate(tokens, decoding, decode_pairs, len(positions) - decoding, verify_pairs, k + 1)
                 if r > best_rate:
                     best, best_rate = (k, list(chosen), False), r
-            if foldable:  # every row that may verify does: the decode forward holds only `fixed` ones
+            if foldable and measured:  # every row that may verify does: the decode forward holds only `fixed` ones
                 fold_pairs = verify_pairs + sum(p + k + 1 for p in foldable)
                 r = rate(tokens, len(fixed), sum(p + 1 for p in fixed), len(positions) - len(fixed), fold_pairs, k + 1)
                 if r > best_rate:
