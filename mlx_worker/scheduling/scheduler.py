@@ -184,9 +184,9 @@ class Scheduler:
         rows = [(s, s.num_computed) for s in self.running if s.next_input is not None and not s.verifying
                 and s.num_scheduled_output < s.params.max_tokens]
         # A step with prefill chunks runs their forward too: no verify forward beside it.
-        prefill = bool(self.waiting) or any(s.next_input is None for s in self.running)
-        drafts = (self.speculator.plan(rows, self.budget.cost.coef) if self.speculator and rows and not prefill
-                  else [([], 0)] * len(rows))
+        drafts = [([], 0)] * len(rows)
+        if self.speculator and rows and not (self.waiting or any(s.next_input is None for s in self.running)):
+            drafts = self.speculator.plan(rows, self.budget.cost.coef)
         for (seq, position), (draft, proposed) in zip(rows, drafts):
             if seq.status != Status.RUNNING:
                 continue  # preempted for an earlier row's pages

@@ -64,10 +64,7 @@ class StepBudget:
         count as decode rows for the gap, and their cost is taken from the room."""
         shape = StepShape()
         shape.add_decode(decode_rows, decode_context)
-        lengths = set()
-        for start, length in verify:
-            shape.add_verify(start, length, new_forward=length not in lengths)
-            lengths.add(length)
+        shape.add_verify_rows(verify)
         gap, tokens = None, self.max_batched_tokens - decode_rows - sum(length for _, length in verify)
         decode_rows += len(verify)
         if self.urgent and decode_rows:  # decode only, until the requests at risk are done

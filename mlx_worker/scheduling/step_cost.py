@@ -47,6 +47,13 @@ class StepShape:
         self.verify_tokens += length
         self.pairs += start + length
 
+    def add_verify_rows(self, rows: Sequence[tuple]) -> None:
+        """Verify rows as (start, length), one forward per distinct length."""
+        lengths = set()
+        for start, length in rows:
+            self.add_verify(start, length, new_forward=length not in lengths)
+            lengths.add(length)
+
     def features(self) -> np.ndarray:
         return np.array([self.forwards, self.decode_rows, self.prefill_tokens, self.pairs / PAIRS_UNIT,
                          self.verify_tokens])
@@ -136,8 +143,5 @@ def shape_of(decode_positions: Sequence[int], chunks: Sequence[tuple], verify: S
     for start, length in chunks:
         shape.add_prefill(start, length, new_forward=length not in lengths)
         lengths.add(length)
-    lengths = set()
-    for start, length in verify:
-        shape.add_verify(start, length, new_forward=length not in lengths)
-        lengths.add(length)
+    shape.add_verify_rows(verify)
     return shape
