@@ -81,7 +81,7 @@ class Engine:
         eos = set(getattr(tokenizer, "eos_token_ids", None) or []) if tokenizer is not None else set()
         self.budget = StepBudget(config.max_batched_tokens, config.max_token_gap_s, config.min_prefill_tokens,
                                  timed=config.step_budget == "time")
-        self.speculator = speculator_for(config.speculative, bool(tree.states), drafter)
+        self.speculator = speculator_for(config.speculative, drafter)
         self.scheduler = Scheduler(self.pages, eos, config.max_running_requests, config.max_batched_tokens,
                                    self.snapshots, self.budget, self.speculator)
         self.activation_bytes = activation_budget(model, config.max_batched_tokens, config.max_running_requests,

@@ -240,7 +240,7 @@ def test_ngram_drafts_on_a_copying_request_of_the_default_model():
     assert "return a + b" in tok.decode(answers[0][0])
 
 
-def test_no_drafts_for_rows_with_penalties_or_a_recurrent_model(model):
+def test_no_drafts_for_rows_with_penalties(model):
     ps = prompts(2, 10, 20, seed=9)
     drafter = Oracle(references(model, ps, 8))
     eng = engine(model, drafter)
@@ -248,10 +248,27 @@ def test_no_drafts_for_rows_with_penalties_or_a_recurrent_model(model):
     run(eng, greedy(ps, 8, presence_penalty=0.5))
     assert drafter.proposed == [] and eng.stats()["speculative"]["verify_rows"] == 0
     eng.shutdown()
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "wrong_from_1", "random"])
+def test_a_recurrent_model_replays_its_accepted_drafts_from_the_state_before(drafter):
+    """Qwen3-Next's linear-attention layers take in every draft; a row whose drafts were
+    rejected goes back to its state before the verify: tokens stay mlx-lm's, under
+    batching, chunked prefill and a prefix hit (a snapshot) on the second round."""
     hybrid = make_tiny_model("qwen3_next")
-    eng = engine(hybrid, Oracle(references(hybrid, ps, 8)))
-    assert eng.speculator is None and eng.stats()["speculative"] is None
-    check_greedy(hybrid, eng, ps, 8)
+    shared = prompts(1, 40, 41, seed=10)[0]
+    ps = [shared + p for p in prompts(4, 3, 30, seed=9)]
+    refs = references(hybrid, ps, 14)
+    d = {"oracle": Oracle(refs), "wrong_from_1": Oracle(refs, wrong_from=1), "random": RandomDrafter(2)}[drafter]
+    eng = engine(hybrid, d, max_batched_tokens=32)
+    check_greedy(hybrid, eng, ps[:1], 14)
+    check_greedy(hybrid, eng, ps[1:], 14, stagger=0.02)
+    st = eng.stats()
+    assert st["speculative"]["verify_rows"] > 0 and st["prefix_hit_tokens"] > 0
+    if drafter == "oracle":
+        assert st["speculative"]["acceptance_rate"] == 1.0
+    else:
+        assert st["speculative"]["accepted_tokens"] < st["speculative"]["drafted_tokens"]
     eng.shutdown()
 
 

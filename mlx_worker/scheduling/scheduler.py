@@ -20,6 +20,11 @@ class PrefillChunk:
     length: int
     samples: bool  # the chunk ends the known tokens, so its last logits give a token
 
+    @property
+    def replay(self) -> bool:
+        """Output tokens computed again: a recurrent model's accepted drafts (_accept)."""
+        return self.start >= self.seq.num_prompt
+
 
 @dataclass
 class VerifyRow:
@@ -30,6 +35,7 @@ class VerifyRow:
     position: int
     drafts: List[int]
     proposed: int  # of the drafts, those the drafter proposed (the rest pad the row to the step's length)
+    state: object = None  # recurrent layers' state before this row's forward (RowState), to roll back to
 
     @property
     def length(self) -> int:
@@ -193,7 +199,7 @@ class Scheduler:
             if not self._reserve(seq, position + 1 + len(draft)):
                 continue
             if draft:
-                plan.verify.append(VerifyRow(seq, position, draft, proposed))
+                plan.verify.append(VerifyRow(seq, position, draft, proposed, seq.state))
                 seq.verifying = True
             else:
                 plan.decode.append((seq, position))
@@ -347,7 +353,9 @@ class Scheduler:
     def _accept(self, seq: Sequence, verify: VerifyRow, sampled: List[int]) -> List[int]:
         """The tokens a verify row emits: its samples up to the first that differs from the
         draft it checked, that one included. The positions past them are given back (their
-        KV is overwritten when they are computed again)."""
+        KV is overwritten when they are computed again). Recurrent layers have taken in
+        the rejected drafts too: such a row goes back to its state before the verify and
+        computes its accepted tokens again, with the next one, as a prefill chunk."""
         accepted = 0
         while accepted < len(verify.drafts) and sampled[accepted] == verify.drafts[accepted]:
             accepted += 1
@@ -355,6 +363,8 @@ class Scheduler:
         seq.num_computed -= rejected
         seq.num_tokens -= rejected
         seq.next_input = mx.array([sampled[accepted]], mx.int32)
+        if rejected and verify.state is not None:
+            seq.state, seq.num_computed, seq.next_input = verify.state, verify.position, None
         self.speculator.observe(seq, verify.proposed, min(accepted, verify.proposed), accepted + 1)
         return sampled[: accepted + 1]
 

@@ -7,8 +7,9 @@ steps overlap again and every PROBE_STEPS-th step looks for drafts once more.
 
 Rows decode normally where drafting cannot give the same tokens cheaply: penalties
 (each token's penalty depends on the ones before it), grammars (the mask needs each
-token before the next), a last token to go, or a model with recurrent layers (their
-state cannot be rolled back to an accepted prefix yet).
+token before the next) or a last token to go. On a model with recurrent layers a row
+whose drafts were rejected computes its accepted tokens again from its state before
+the verify (scheduler._accept): a rejection costs such a model a second forward.
 """
 
 from typing import List, Optional, Sequence, Tuple
@@ -84,11 +85,13 @@ class Speculator:
 
     def step_done(self, plan, seconds: float, measure: bool = True) -> None:
         """A finished step's time (after its tokens were processed): decode steps feed
-        the realized rates (`measure`: on this rank's clock, the leader's)."""
-        emitted = len(plan.decode) + self.emitted - self._emitted_seen
+        the realized rates (`measure`: on this rank's clock, the leader's). A step that
+        replays rejected drafts (a recurrent model's) counts as verifying: it pays for them."""
+        replays = [c for c in plan.prefills if c.replay]
+        emitted = len(plan.decode) + sum(c.samples for c in replays) + self.emitted - self._emitted_seen
         self._emitted_seen = self.emitted
-        if measure and not plan.prefills:
-            self.realized.observe(plan.decode_like(), bool(plan.verify), emitted, seconds)
+        if measure and len(replays) == len(plan.prefills):
+            self.realized.observe(plan.decode_like() + len(replays), bool(plan.verify or replays), emitted, seconds)
 
     def finished(self, seq) -> None:
         self.drafter.finished(seq)
@@ -100,9 +103,6 @@ class Speculator:
                 "method_acceptance_estimate": self.budget.prior, "realized": self.realized.stats()}
 
 
-def speculator_for(config: Optional[SpeculativeConfig], recurrent: bool, drafter=None) -> Optional[Speculator]:
-    """The engine's speculator, or None: off, or a model whose recurrent state cannot be
-    rolled back (its rows decode normally)."""
-    if config is None or recurrent:
-        return None
-    return Speculator(config, drafter)
+def speculator_for(config: Optional[SpeculativeConfig], drafter=None) -> Optional[Speculator]:
+    """The engine's speculator, or None when off."""
+    return None if config is None else Speculator(config, drafter)
