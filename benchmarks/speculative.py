@@ -2,8 +2,8 @@
 on copy-heavy and free-form requests at 1, 8 and 32 concurrent requests.
 
     python benchmarks/speculative.py [--model PATH] [--concurrency 1 8 32] [--max-tokens 160]
-                                     [--methods ngram suffix] [--workloads copy-heavy free-form]
-                                     [--order abba|ab] [--quick]
+                                     [--methods ngram suffix draft] [--draft-model PATH]
+                                     [--workloads copy-heavy free-form] [--order abba|ab] [--quick]
 
 copy-heavy  rewrite a file exactly, rename a function in it, repeat a text: most of the
             answer is in the prompt (what coding agents and editors ask).
@@ -21,6 +21,7 @@ peer        mlx-lm's own speculative generation at batch 1 (`stream_generate` wi
             draft model, as `mlx_lm.generate --draft-model` runs it): the model itself
             without drafts, and drafted by a model made of its first DRAFT_LAYERS layers
             (a default model has no smaller sibling with its tokenizer to draft for it).
+            The engine's method draft uses the same draft unless --draft-model names one.
 """
 
 import argparse
@@ -77,9 +78,17 @@ HEADERS = ["workload", "concurrent", "speculative", "decode tok/s", "per request
            "ratio", "ratio per request"]
 
 
-def run_engine(model, tok, spec, prompts, concurrency, max_tokens):
+def first_layers(model, n=DRAFT_LAYERS):
+    """The model cut after its first n layers (sharing their weights): a draft for it."""
+    draft = copy.copy(model)
+    draft.model = copy.copy(model.model)
+    draft.model.layers = model.model.layers[:n]
+    return draft
+
+
+def run_engine(model, tok, spec, prompts, concurrency, max_tokens, draft=None):
     config = EngineConfig(speculative=copy.deepcopy(spec))
-    engine = Engine(config, model=model, tokenizer=tok)
+    engine = Engine(config, model=model, tokenizer=tok, draft_model=draft)
     asyncio.run(warm_up(engine, prompts[0]))
     answers, rate, per_request = asyncio.run(cell(engine, prompts, concurrency, max_tokens))
     stats = engine.stats()["speculative"]
@@ -129,9 +138,7 @@ async def cell(engine, prompts, concurrency, max_tokens):
 
 def mlx_lm_peer(model, tok, prompts, max_tokens):
     """mlx-lm at batch 1: plain, and with its speculative generation (a draft model)."""
-    draft = copy.copy(model)
-    draft.model = copy.copy(model.model)
-    draft.model.layers = model.model.layers[:DRAFT_LAYERS]
+    draft = first_layers(model)
     rows = []
     for name, kw in [("mlx-lm stream_generate", {}),
                      (f"mlx-lm stream_generate, draft model ({DRAFT_LAYERS} layers)", {"draft_model": draft,
@@ -156,7 +163,8 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--methods", nargs="+", default=["ngram"])
+    ap.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "suffix", "draft"])
+    ap.add_argument("--draft-model", default=None, help=f"method draft's model (default: the first {DRAFT_LAYERS} layers)")
     ap.add_argument("--order", choices=["abba", "ab"], default="abba",
                     help="abba: off, on, on, off in each cell, figures averaged (the CPU's speed drifts)")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -176,7 +184,11 @@ def main():
             runs = {}
             for name in order:
                 spec = None if name == "off" else {"method": name}
-                runs.setdefault(name, []).append(run_engine(model, tok, spec, prompts, c, args.max_tokens))
+                draft = None
+                if name == "draft":
+                    spec["draft_model"] = args.draft_model or f"first {DRAFT_LAYERS} layers"
+                    draft = None if args.draft_model else first_layers(model)
+                runs.setdefault(name, []).append(run_engine(model, tok, spec, prompts, c, args.max_tokens, draft))
             base = runs["off"][0][0]
             mean = lambda name, i: sum(r[i] for r in runs[name]) / len(runs[name])  # noqa: E731
             for name in configs:

@@ -33,6 +33,7 @@ from .scheduling.admission import Admission
 from .scheduling.scheduler import Scheduler, StepPlan
 from .scheduling.step_budget import StepBudget
 from .scheduling.step_cost import shape_of
+from .speculative.draft_model import DraftModel, load_draft_model
 from .speculative.speculator import speculator_for
 from .worker import Worker
 
@@ -46,7 +47,7 @@ class Engine:
     """
 
     def __init__(self, config: Optional[EngineConfig] = None, model=None, tokenizer=None,
-                 ranks: Optional[Ranks] = None, drafter=None):
+                 ranks: Optional[Ranks] = None, drafter=None, draft_model=None):
         self.config = config = config or EngineConfig()
         size = config.tensor_parallel_size * config.pipeline_parallel_size
         if size > max(config.tensor_parallel_size, config.pipeline_parallel_size):
@@ -64,13 +65,24 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         tree = probe_caches(model)
         self.vocab_size = tree.vocab
+        spec, draft_tree = config.speculative, None
+        if spec is not None and spec.method == "draft":
+            if ranks:
+                raise ValueError("speculative method 'draft' needs a replica of one Mac "
+                                 "(tensor_parallel_size and pipeline_parallel_size 1)")
+            draft_model, draft_tree, draft_head_groups = load_draft_model(spec.draft_model, config.dtype, tokenizer,
+                                                                          draft_model)
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        kv_specs = tree.kv
+        if draft_tree is not None:  # its pool has as many pages as the target's
+            weights += sum(v.nbytes for _, v in tree_flatten(draft_model.parameters()))
+            kv_specs = tree.kv + draft_tree.kv
         budget = ranks.min(kv_budget(weights, config.kv_memory_fraction)) if ranks else \
             kv_budget(weights, config.kv_memory_fraction)
         # Recurrent state: the running sequences' (twice: overlapped steps) and snapshots.
         snapshot_bytes = int(config.state_snapshot_fraction * budget) if tree.states else 0
         self.state_budget_bytes = 2 * config.max_running_requests * tree.state_bytes + snapshot_bytes
-        num_pages = pool_pages(tree.kv, tree.kv_dtype, config.page_size, weights, config.kv_memory_fraction,
+        num_pages = pool_pages(kv_specs, tree.kv_dtype, config.page_size, weights, config.kv_memory_fraction,
                                config.max_total_tokens, reserved_bytes=self.state_budget_bytes)
         if ranks:  # every rank schedules alike only with the same pool
             num_pages = ranks.min(num_pages)
@@ -89,8 +101,10 @@ class Engine:
         # The decode batch's copies from the pool run before a step, never beside one: its activation budget.
         self.worker = Worker(model, self.pool, tree, self.vocab_size, sorted(eos),
                              int(config.decode_staging_fraction * budget), self.snapshots, self.batching,
-                             scratch_bytes=self.activation_bytes, adapters=self.adapters)
-        self.kv_bytes_per_token = kv_bytes_per_token(tree.kv, tree.kv_dtype)
+                             scratch_bytes=self.activation_bytes, adapters=self.adapters,
+                             draft=DraftModel(draft_model, draft_tree, num_pages, config.page_size, draft_head_groups)
+                             if draft_tree is not None else None)
+        self.kv_bytes_per_token = kv_bytes_per_token(kv_specs, tree.kv_dtype)
         self.state_bytes_per_request = tree.state_bytes
         self.admission = Admission(config.request_timeout_s)
         self._sent_coef = None  # the step cost coefficients the followers have
@@ -215,7 +229,8 @@ class Engine:
 
     def _memory_budget(self, weights: int) -> dict:
         """What peak memory should stay within: weights + pool + staging + activations."""
-        return {"weights_bytes": weights, "kv_pool_bytes": self.pool.nbytes,
+        draft = self.worker.draft
+        return {"weights_bytes": weights, "kv_pool_bytes": self.pool.nbytes + (draft.pool.nbytes if draft else 0),
                 "recurrent_state_budget_bytes": self.state_budget_bytes,
                 "decode_staging_budget_bytes": self.worker.kv.staging.max_bytes,
                 "activation_budget_bytes": self.activation_bytes}

@@ -24,6 +24,7 @@ class InFlightStep:
     result: Optional[SampleResult]  # one token per sampling row, still lazy
     prompt: List[tuple] = field(default_factory=list)  # (seq, start, logprobs, top ids, top logprobs) of prompt scoring
     embeddings: List[tuple] = field(default_factory=list)  # (seq, vector) of embedding requests
+    drafted: List[tuple] = field(default_factory=list)  # (verify rows, their draft model's drafts (rows, k))
     launched_at: float = 0.0  # perf_counter when the engine started building it
     done_at: Optional[float] = None  # perf_counter when the device was seen to have finished it
 
@@ -55,8 +56,9 @@ class Worker:
 
     def __init__(self, model, pool: KVPool, tree: CacheTree, vocab_size: int, stop_ids: List[int],
                  staging_bytes: int = 0, snapshots=None, batching: str = RAGGED, scratch_bytes: int = 0,
-                 adapters=None):
+                 adapters=None, draft=None):
         self.model = model
+        self.draft = draft  # speculative.DraftModel: runs every forward too, and drafts for verify rows
         self.adapters = adapters  # adapters.AdapterSlots: each forward's rows name their LoRA adapters
         self.batching = batching
         self.kv = StepKV(pool, tree, 0 if batching == UNIFORM else staging_bytes, scratch_bytes, snapshots,
@@ -91,7 +93,7 @@ class Worker:
             logits = logits[:, -1, :]
             self._dispatch(logits, *kv_arrays)
             last_logits.append(logits)
-        verify_logits = self._verify_forwards(plan)
+        verify_logits, drafted = self._verify_forwards(plan)
         # Prefill chunks of equal length share one forward (rows may start anywhere), built
         # in the order the groups were opened. A chunk that reads pages another chunk of this
         # step writes (a prefix hit on a prompt scheduled in this very step) opens a group of
@@ -122,7 +124,7 @@ class Worker:
             ends = [self.split[1](mx.concatenate(ends) if len(ends) > 1 else ends[0])]
         last_logits += ends + verify_logits
         if not last_logits:
-            return self._launched(InFlightStep(plan, None, scored, embedded))
+            return self._launched(InFlightStep(plan, None, scored, embedded, drafted))
 
         seqs = plan.sampling_rows()
         positions = [p for _, p in plan.decode] + [c.start + c.length - 1 for c in plan.prefills if c.samples]
@@ -137,33 +139,41 @@ class Worker:
             if result.seen is not None and seq.seen is not None:
                 seq.seen = result.seen[i]
         self._on_device(mx.async_eval, *result.arrays())  # reads no pool array: no fence needed
-        return self._launched(InFlightStep(plan, result, scored, embedded))
+        return self._launched(InFlightStep(plan, result, scored, embedded, drafted))
 
-    def _verify_forwards(self, plan: StepPlan) -> List[mx.array]:
+    def _verify_forwards(self, plan: StepPlan) -> Tuple[List[mx.array], List[tuple]]:
         """Run the verify rows (speculative/): each feeds its last token and its drafts,
         rows of one length in one forward; the logits of every position, (sum of lengths,
-        V). `plan.verify` is reordered as the logits are."""
+        V), and the draft model's drafts (still lazy) where it drafts. `plan.verify` is
+        reordered as the logits are."""
         groups: Dict[tuple, list] = {}
         for v in plan.verify:
             groups.setdefault((v.length, v.position if self.batching == UNIFORM else 0), []).append(v)
         plan.verify = [v for rows in groups.values() for v in rows]
-        logits = []
+        logits, drafted = [], []
         for (L, _), rows in groups.items():
-            inputs = mx.array([[v.seq.tokens[-1], *v.drafts] for v in rows])
-            out, kv_arrays = self._forward(inputs, [v.seq for v in rows], [v.position for v in rows], L)
+            seqs, positions = [v.seq for v in rows], [v.position for v in rows]
+            if self.draft is not None:
+                drafts = self.draft.draft(seqs, positions, L - 1, self._dispatch)
+                inputs = mx.concatenate([mx.array([[s.tokens[-1]] for s in seqs], mx.int32), drafts], axis=1)
+                drafted.append((rows, drafts))
+            else:
+                inputs = mx.array([[v.seq.tokens[-1], *v.drafts] for v in rows])
+            out, kv_arrays = self._forward(inputs, seqs, positions, L, mirror=False)
             out = out.reshape(-1, out.shape[-1])
             self._dispatch(out, *kv_arrays)
             logits.append(out)
-        return logits
+        return logits, drafted
 
     def _launched(self, step: InFlightStep) -> InFlightStep:
         self._unfinished = step
         return step
 
     def _forward(self, inputs: mx.array, seqs: List[Sequence], offsets: List[int], L: int, staged=None,
-                 body_only: bool = False, prefill_ends=()) -> Tuple[mx.array, List[mx.array]]:
+                 body_only: bool = False, prefill_ends=(), mirror: bool = True) -> Tuple[mx.array, List[mx.array]]:
         """One forward of `seqs`' rows, each feeding `L` tokens from its offset: its logits
-        (hidden states if `body_only`) and the KV memory arrays it leaves (still lazy)."""
+        (hidden states if `body_only`) and the KV memory arrays it leaves (still lazy).
+        A draft model runs it too (`mirror`), so its KV keeps up with the target's."""
         kv = self.kv.forward(seqs, offsets, L, staged)
         if self.adapters is not None:
             self.adapters.select(s.adapter_slot for s in seqs)
@@ -171,6 +181,8 @@ class Worker:
         out = self.split[0](inputs, kv.caches) if body_only else self.model(inputs, cache=kv.caches)
         self.build_s += time.perf_counter() - t
         self.build_cpu_s += time.thread_time() - c
+        if self.draft is not None and mirror:
+            self.draft.mirror(inputs, seqs, offsets, L)
         return out, kv.done(prefill_ends)
 
     def _score_prompt(self, chunks, out: mx.array) -> List[tuple]:
@@ -208,7 +220,7 @@ class Worker:
         """Hand one forward (its outputs and the pool writes it made) to the device, once
         the device has finished all earlier work, so the writes reuse the pool buffers."""
         self.fence()
-        self._on_device(mx.async_eval, *outputs, *self.pool.arrays())
+        self._on_device(mx.async_eval, *outputs, *self.pool.arrays(), *(self.draft.pool.arrays() if self.draft else ()))
         self._busy = True
 
     def fence(self) -> None:
@@ -271,7 +283,10 @@ class Worker:
             if step.done_at is None:
                 self.fence()
             return StepTokens([])
-        self._on_device(mx.eval, *r.arrays())
+        self._on_device(mx.eval, *r.arrays(), *(d for _, d in step.drafted))
+        for rows, drafts in step.drafted:
+            for v, row in zip(rows, drafts.tolist()):
+                v.drafts = row
         if step.done_at is None:  # its last forward produced these: the step is done
             step.done_at = time.perf_counter()
             if self._unfinished is step:

@@ -88,9 +88,10 @@ def test_a_wrong_models_list_is_an_error_that_says_why(args, message):
 @pytest.mark.parametrize("spec, message", [
     ({"num_draft_tokens": 0}, "greater than or equal to 1"),
     ({"num_draft_tokens": 17}, "less than or equal to 16"),
-    ({"method": "draft"}, "'draft' \\(a draft model\\) is not built yet"),
+    ({"method": "draft"}, "method 'draft' needs draft_model"),
+    ({"method": "ngram", "draft_model": "x"}, "draft_model is used by method 'draft' only"),
     ({"method": "mtp"}, "is not built yet"),
-    ({"method": "eagle"}, "'ngram' or 'suffix'"),
+    ({"method": "eagle"}, "'ngram', 'suffix' or 'draft'"),
     ({"num_draft_token": 3}, "did you mean 'num_draft_tokens'"),
 ])
 def test_the_speculative_section_is_checked_at_startup(spec, message):

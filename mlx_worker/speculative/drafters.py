@@ -68,5 +68,17 @@ class SuffixLookup(PromptLookup):
 SEPARATOR = -1  # between outputs: no n-gram spans two
 
 
+class ModelDrafter:
+    """Method draft: the draft model drafts inside the step (draft_model.py), so every
+    row has k drafts; the budget picks rows and k as for any method, and the worker fills
+    these placeholders in with the model's tokens."""
+
+    def propose(self, seq, k: int) -> List[int]:
+        return [0] * k
+
+    def finished(self, seq) -> None:
+        pass
+
+
 def make_drafter(method: str):
-    return {"ngram": PromptLookup, "suffix": SuffixLookup}[method]()
+    return {"ngram": PromptLookup, "suffix": SuffixLookup, "draft": ModelDrafter}[method]()
