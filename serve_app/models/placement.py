@@ -52,6 +52,13 @@ def weights_bytes(path: Path, config: dict, dtype: str = "auto") -> Optional[int
     return int(size * loaded / stored)
 
 
+def _config(path: Path) -> dict:
+    try:
+        return {} if path.is_file() else json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def config_kv_bytes_per_token(config: dict) -> Optional[int]:
     """K and V bytes of one token in every layer, from a model's config.json, before it is
     loaded (memory/kv_pool.kv_bytes_per_token counts them from the loaded model's layers);
@@ -74,14 +81,16 @@ def replica_memory_bytes(model: Optional[str], engine: dict, mac_memory: int) ->
     path = _local(model)
     if path is None:
         return None
-    try:
-        config = {} if path.is_file() else json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
+    config = _config(path)
     weights = weights_bytes(path, config, cfg.dtype)
     if weights is None:
         return None
     per_token = config_kv_bytes_per_token(config) if cfg.max_total_tokens else None
+    spec = cfg.speculative
+    draft = _local(spec.draft_model) if spec is not None and spec.draft_model else None
+    if draft is not None:  # a draft model: its weights, and its KV beside every token's
+        weights += weights_bytes(draft, _config(draft), cfg.dtype) or 0
+        per_token = per_token and per_token + (config_kv_bytes_per_token(_config(draft)) or 0)
     if per_token:
         kv = cfg.max_total_tokens * per_token
     else:
