@@ -98,7 +98,8 @@ class Sequence:
     adapter_slot: int = 0  # its adapter's slot in the LoRA layers (adapters/); 0: the base model
     draft_index: Optional[object] = None  # speculative/: its drafter's index of its tokens
     draft_acceptance: Optional[float] = None  # speculative/: its drafts' recent acceptance rate
-    verifying: bool = False  # a step verifying its drafts is in flight: its position is not known yet
+    verifying: bool = False  # a step verifying (or replaying) drafts is in flight: its position is not known yet
+    hidden: Optional[tuple] = None  # (final hidden states (n, H), first position) of its last forward (method mtp)
 
     def __post_init__(self):
         self.num_tokens = len(self.tokens)

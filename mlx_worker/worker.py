@@ -159,7 +159,7 @@ class Worker:
                 drafted.append((rows, drafts))
             else:
                 inputs = mx.array([[v.seq.tokens[-1], *v.drafts] for v in rows])
-            out, kv_arrays = self._forward(inputs, seqs, positions, L, mirror=False)
+            out, kv_arrays = self._forward(inputs, seqs, positions, L, verify=True)
             out = out.reshape(-1, out.shape[-1])
             self._dispatch(out, *kv_arrays)
             logits.append(out)
@@ -170,19 +170,22 @@ class Worker:
         return step
 
     def _forward(self, inputs: mx.array, seqs: List[Sequence], offsets: List[int], L: int, staged=None,
-                 body_only: bool = False, prefill_ends=(), mirror: bool = True) -> Tuple[mx.array, List[mx.array]]:
+                 body_only: bool = False, prefill_ends=(), verify: bool = False) -> Tuple[mx.array, List[mx.array]]:
         """One forward of `seqs`' rows, each feeding `L` tokens from its offset: its logits
         (hidden states if `body_only`) and the KV memory arrays it leaves (still lazy).
-        A draft model runs it too (`mirror`), so its KV keeps up with the target's."""
+        A drafter with KV of its own mirrors it, so that KV keeps up with the target's."""
         kv = self.kv.forward(seqs, offsets, L, staged)
         if self.adapters is not None:
             self.adapters.select(s.adapter_slot for s in seqs)
         t, c = time.perf_counter(), time.thread_time()
-        out = self.split[0](inputs, kv.caches) if body_only else self.model(inputs, cache=kv.caches)
+        hidden = body_only or (self.draft is not None and self.draft.needs_hidden)
+        out = self.split[0](inputs, kv.caches) if hidden else self.model(inputs, cache=kv.caches)
+        if self.draft is not None:
+            self.draft.mirror(inputs, seqs, offsets, L, out if self.draft.needs_hidden else None, verify)
+        if hidden and not body_only:
+            out = self.split[1](out)
         self.build_s += time.perf_counter() - t
         self.build_cpu_s += time.thread_time() - c
-        if self.draft is not None and mirror:
-            self.draft.mirror(inputs, seqs, offsets, L)
         return out, kv.done(prefill_ends)
 
     def _score_prompt(self, chunks, out: mx.array) -> List[tuple]:

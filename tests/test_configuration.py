@@ -90,8 +90,8 @@ def test_a_wrong_models_list_is_an_error_that_says_why(args, message):
     ({"num_draft_tokens": 17}, "less than or equal to 16"),
     ({"method": "draft"}, "method 'draft' needs draft_model"),
     ({"method": "ngram", "draft_model": "x"}, "draft_model is used by method 'draft' only"),
-    ({"method": "mtp"}, "is not built yet"),
-    ({"method": "eagle"}, "'ngram', 'suffix' or 'draft'"),
+    ({"method": "mtp", "draft_model": "x"}, "draft_model is used by method 'draft' only"),
+    ({"method": "eagle"}, "'ngram', 'suffix', 'draft' or 'mtp'"),
     ({"num_draft_token": 3}, "did you mean 'num_draft_tokens'"),
 ])
 def test_the_speculative_section_is_checked_at_startup(spec, message):

@@ -14,14 +14,15 @@ def split_output_head(model) -> Optional[Tuple[Body, Head]]:
     """(body, head) with `head(body(x, cache=c)) == model(x, cache=c)`, or None.
 
     mlx-lm's decoder models end `out = self.model(inputs, cache); return lm_head(out)`
-    (or `embed_tokens.as_linear` when tied). Whether this model does is checked once on
+    (or `embed_tokens.as_linear` when tied), some inside a `language_model`. Whether this model does is checked once on
     a probe input, so a model with anything else after its body keeps the full call.
     """
-    body = getattr(model, "model", None)
+    holder = getattr(model, "language_model", model)  # a text model inside a multimodal one (Qwen3.5)
+    body = getattr(holder, "model", None)
     if body is None:
         return None
-    if "lm_head" in model:
-        head = model.lm_head
+    if "lm_head" in holder:
+        head = holder.lm_head
     elif hasattr(body, "embed_tokens") and hasattr(body.embed_tokens, "as_linear"):
         head = body.embed_tokens.as_linear
     else:

@@ -36,6 +36,7 @@ class VerifyRow:
     drafts: List[int]
     proposed: int  # of the drafts, those the drafter proposed (the rest pad the row to the step's length)
     state: object = None  # recurrent layers' state before this row's forward (RowState), to roll back to
+    hidden: object = None  # the sequence's carried hidden states before it (method mtp), likewise
 
     @property
     def length(self) -> int:
@@ -189,9 +190,11 @@ class Scheduler:
     def _schedule_decode(self, plan: StepPlan) -> None:
         rows = [(s, s.num_computed) for s in self.running if s.next_input is not None and not s.verifying
                 and s.num_scheduled_output < s.params.max_tokens]
-        # A step with prefill chunks runs their forward too: no verify forward beside it.
+        # A step with prompt chunks runs their forward too: no verify forward beside it.
+        # (Replays of accepted drafts, short, may share a step with verify rows.)
         drafts = [([], 0)] * len(rows)
-        if self.speculator and rows and not (self.waiting or any(s.next_input is None for s in self.running)):
+        prompts = self.waiting or any(s.next_input is None and s.num_computed < s.num_prompt for s in self.running)
+        if self.speculator and rows and not prompts:
             drafts = self.speculator.plan(rows, self.budget.cost.coef)
         for (seq, position), (draft, proposed) in zip(rows, drafts):
             if seq.status != Status.RUNNING:
@@ -199,7 +202,7 @@ class Scheduler:
             if not self._reserve(seq, position + 1 + len(draft)):
                 continue
             if draft:
-                plan.verify.append(VerifyRow(seq, position, draft, proposed, seq.state))
+                plan.verify.append(VerifyRow(seq, position, draft, proposed, seq.state, seq.hidden))
                 seq.verifying = True
             else:
                 plan.decode.append((seq, position))
@@ -238,6 +241,7 @@ class Scheduler:
             seq.pages += self.pages.allocate(need)
         samples = start + length == seq.num_tokens
         plan.prefills.append(PrefillChunk(seq, start, length, samples))
+        seq.verifying = samples and plan.prefills[-1].replay  # its next step drafts: from known tokens
         room.take(start, length)
         seq.num_work += length
         seq.num_computed += length
@@ -301,7 +305,7 @@ class Scheduler:
         self._publish(seq)
         self.pages.release(seq.pages)
         seq.pages, seq.num_computed, seq.num_published = [], 0, 0
-        seq.next_input = seq.state = None
+        seq.next_input = seq.state = seq.hidden = None
         seq.verifying = False
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -328,8 +332,7 @@ class Scheduler:
         for seq, verify in rows:
             n = 1 if verify is None else verify.length
             at, i = i, i + n
-            if verify is not None:
-                seq.verifying = False
+            seq.verifying = False
             if seq.status == Status.FINISHED:
                 continue  # finished while this step ran ahead: drop its extra token
             first = len(seq.tokens) == seq.num_prompt
@@ -364,8 +367,10 @@ class Scheduler:
         seq.num_tokens -= rejected
         seq.next_input = mx.array([sampled[accepted]], mx.int32)
         if rejected and verify.state is not None:
-            seq.state, seq.num_computed, seq.next_input = verify.state, verify.position, None
+            seq.state, seq.hidden, seq.num_computed, seq.next_input = verify.state, verify.hidden, verify.position, None
         self.speculator.observe(seq, verify.proposed, min(accepted, verify.proposed), accepted + 1)
+        if self.speculator.log is not None:
+            self.speculator.log.append((list(seq.tokens), list(verify.drafts)))
         return sampled[: accepted + 1]
 
     def _append(self, seq: Sequence, toks: List[int]) -> RequestOutput:

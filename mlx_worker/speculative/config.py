@@ -2,29 +2,19 @@
 
 from typing import Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from ..strict_model import StrictModel
 
-NOT_YET = {"mtp": "a checkpoint's MTP heads"}
-
-
 class SpeculativeConfig(StrictModel):
-    method: Literal["ngram", "suffix", "draft"] = "ngram"
-    """ngram: prompt lookup (the request's own prompt and output); suffix: also the outputs of recent requests; draft: a small model with the same tokenizer (draft_model)."""
+    method: Literal["ngram", "suffix", "draft", "mtp"] = "ngram"
+    """ngram: prompt lookup (the request's own prompt and output); suffix: also the outputs of recent requests; draft: a small model with the same tokenizer (draft_model); mtp: the checkpoint's own multi-token-prediction head (Qwen3-Next, Qwen3.5)."""
     num_draft_tokens: int = Field(4, ge=1, le=16)
     """Draft tokens per row and step at most; the engine drafts fewer where they do not pay."""
     adaptive: bool = True
     """Draft only where the measured acceptance and verify cost say it pays; false: always num_draft_tokens when a draft is found."""
     draft_model: Optional[str] = None
     """Method draft: a Hugging Face id, mlx-lm directory or .gguf file of a small model with the target's tokenizer."""
-
-    @field_validator("method", mode="before")
-    @classmethod
-    def _built(cls, method):
-        if method in NOT_YET:
-            raise ValueError(f"method {method!r} ({NOT_YET[method]}) is not built yet: use 'ngram', 'suffix' or 'draft'")
-        return method
 
     @model_validator(mode="after")
     def _draft_model_with_method_draft(self):

@@ -31,9 +31,15 @@ class DraftModel:
         self.body, self.head = split or ((lambda x, cache: model(x, cache=cache)), None)
         self.num_forwards = 0
 
-    def mirror(self, inputs: mx.array, seqs: Sequence, offsets: Sequence[int], L: int) -> None:
+    needs_hidden = False  # of the target's forwards
+
+    def mirror(self, inputs: mx.array, seqs: Sequence, offsets: Sequence[int], L: int, hidden=None,
+               verify: bool = False) -> None:
         """Run the target's forward on the draft for its KV writes (still lazy: the
-        pool's new arrays are dispatched with the target's)."""
+        pool's new arrays are dispatched with the target's). A verify forward's tokens
+        it has drafted already."""
+        if verify:
+            return
         self.body(inputs, self.kv.forward(seqs, offsets, L).caches)
         self.num_forwards += 1
 

@@ -69,7 +69,7 @@ SEPARATOR = -1  # between outputs: no n-gram spans two
 
 
 class ModelDrafter:
-    """Method draft: the draft model drafts inside the step (draft_model.py), so every
+    """Methods draft and mtp: a model drafts inside the step (draft_model.py, mtp_drafter.py), so every
     row has k drafts; the budget picks rows and k as for any method, and the worker fills
     these placeholders in with the model's tokens."""
 
@@ -81,4 +81,4 @@ class ModelDrafter:
 
 
 def make_drafter(method: str):
-    return {"ngram": PromptLookup, "suffix": SuffixLookup, "draft": ModelDrafter}[method]()
+    return {"ngram": PromptLookup, "suffix": SuffixLookup, "draft": ModelDrafter, "mtp": ModelDrafter}[method]()

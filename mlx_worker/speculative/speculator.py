@@ -31,6 +31,7 @@ class Speculator:
         self.drafted = self.accepted = self.verifies = self.emitted = 0
         self.realized = RealizedRate()
         self._emitted_seen = 0
+        self.log = None  # a list: each verify's (tokens before it, drafts), for checking drafters
 
     @staticmethod
     def eligible(seq) -> bool:
