@@ -42,8 +42,9 @@ class Speculator:
 
     def wants_sync(self, rows: int) -> bool:
         """Whether the next schedule of `rows` decoding rows should see every token first
-        (to draft from it)."""
-        return self.steps_without >= PROBE_STEPS and self.allows(rows)
+        (to draft from it): every step while rows drafted lately, then every PROBE_STEPS-th."""
+        recent = self.steps_without < PROBE_STEPS
+        return (recent or self.steps_without % PROBE_STEPS == 0) and self.allows(rows)
 
     def allows(self, rows: int) -> bool:
         return not self.config.adaptive or self.realized.allows(rows)
