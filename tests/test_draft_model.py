@@ -118,7 +118,7 @@ def test_a_draft_model_by_name_with_the_tokenizer_checked(tmp_path):
     answers = []
     for spec in (None, {"method": "draft", "draft_model": "default"}):
         eng = Engine(EngineConfig(speculative=spec, max_total_tokens=1024), model=real, tokenizer=tok)
-        answers.append(greedy_run(eng, [ids], 24)[0])
+        answers.append(greedy_run(eng, [ids], 12)[0])
         if spec:
             assert eng.stats()["speculative"]["accepted_tokens"] > 0
         eng.shutdown()

@@ -8,7 +8,7 @@ from ..strict_model import StrictModel
 
 class SpeculativeConfig(StrictModel):
     method: Literal["ngram", "suffix", "draft", "mtp"] = "ngram"
-    """ngram: prompt lookup (the request's own prompt and output); suffix: also the outputs of recent requests; draft: a small model with the same tokenizer (draft_model); mtp: the checkpoint's own multi-token-prediction head (Qwen3-Next, Qwen3.5)."""
+    """ngram: prompt lookup (the request's own prompt and output); suffix: also the outputs of recent requests; draft: a small model with the same tokenizer (draft_model); mtp: the checkpoint's own multi-token-prediction head (Qwen3-Next, Qwen3.5, GLM-4 MoE, DeepSeek-V3)."""
     num_draft_tokens: int = Field(4, ge=1, le=16)
     """Draft tokens per row and step at most; the engine drafts fewer where they do not pay."""
     adaptive: bool = True

@@ -17,18 +17,19 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..memory.kv_pool import KVPool
 from ..memory.model_caches import probe_caches
 from ..memory.step_kv import StepKV
 from ..models.output_head import split_output_head
-from .mtp_head import MTPHead, text_model
+from .mtp_qwen import text_model
 
 
 class _HeadAsModel(nn.Module):
     """The head with a model's call, so `probe_caches` reads its cache layout."""
 
-    def __init__(self, head: MTPHead, embed):
+    def __init__(self, head, embed):
         super().__init__()
         self.head, self.embed, self.layers = head, embed, head.layers
 
@@ -37,7 +38,7 @@ class _HeadAsModel(nn.Module):
         return self.head(e, mx.zeros_like(e), cache or [None] * len(self.layers))
 
 
-def mtp_head_specs(head: MTPHead, model) -> list:
+def mtp_head_specs(head, model) -> list:
     """The head's attention layers' KV shapes (for the pool's size)."""
     return probe_caches(_HeadAsModel(head, text_model(model)[0].embed_tokens)).kv
 
@@ -45,12 +46,15 @@ def mtp_head_specs(head: MTPHead, model) -> list:
 class MTPDrafter:
     needs_hidden = True
 
-    def __init__(self, model, head: MTPHead, num_pages: int, page_size: int, head_groups: bool):
+    def __init__(self, model, head, num_pages: int, page_size: int, head_groups: bool):
         split = split_output_head(model)
         if split is None:
             raise ValueError("speculative method 'mtp' needs the model's output head apart from its body")
         self.head, self.output_head = head, split[1]
-        self.embed = text_model(model)[0].embed_tokens
+        body, args = text_model(model)
+        self.embed = body.embed_tokens
+        dtype = next(v.dtype for _, v in tree_flatten(head.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+        self.no_state = mx.zeros((args.hidden_size,), dtype)  # a row that carries no hidden state (never expected)
         self.tree = probe_caches(_HeadAsModel(head, self.embed))
         self.pool = KVPool(self.tree.kv, self.tree.kv_dtype, num_pages, page_size)
         self.kv = StepKV(self.pool, self.tree, head_groups=head_groups)
@@ -82,19 +86,23 @@ class MTPDrafter:
         """(rows, k) greedy drafts after each row's last token at `positions`."""
         token = mx.array([[s.tokens[-1]] for s in seqs], mx.int32)
         carried = [self._hidden_at(s, p - 1) for s, p in zip(seqs, positions)]
-        zeros = mx.zeros((self.head.fc.weight.shape[0],), self.head.fc.weight.dtype)
+        zeros = self.no_state
         state = mx.stack([zeros if h is None else h for h in carried])[:, None]
         drafts = []
         for i in range(k):
             state = self._run(token, state, seqs, [p - 1 + i for p in positions], 1)
-            token = mx.argmax(self.output_head(state)[:, -1:], axis=-1).astype(mx.int32)
+            token = mx.argmax(self.head.logits(state[:, -1:], self.output_head), axis=-1).astype(mx.int32)
             drafts.append(token)
             dispatch(token)
         return mx.concatenate(drafts, axis=1)
 
     def _run(self, tokens: mx.array, states: mx.array, seqs: Sequence, offsets: Sequence[int], L: int) -> mx.array:
         self.num_forwards += 1
-        return self.head(self.embed(tokens), states, self.kv.forward(seqs, offsets, L).caches)
+        embeddings = self.embed(tokens)
+        if self.head.zero_first_position and 0 in offsets:  # as vLLM's DeepSeek MTP: position 0 sees no token
+            keep = mx.array([[o + j > 0 for j in range(L)] for o in offsets])
+            embeddings = embeddings * keep[..., None].astype(embeddings.dtype)
+        return self.head(embeddings, states, self.kv.forward(seqs, offsets, L).caches)
 
     @staticmethod
     def _hidden_at(seq, position: int) -> Optional[mx.array]:
