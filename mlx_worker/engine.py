@@ -23,7 +23,7 @@ from .memory.kv_pool import KVPool, kv_budget, kv_bytes_per_token, pool_pages
 from .memory.model_caches import probe_caches
 from .memory.page_manager import PageManager
 from .memory.state_snapshots import StateSnapshots
-from .models.batch_probe import RAGGED_HEAD_GROUPS, UNIFORM, probe_batching
+from .models.batch_probe import probe_batching
 from .models.loader import load_model, load_sharded
 from .outbox import Outbox, merge_ready
 from .request import Request, RequestOutput, Sequence
@@ -33,9 +33,7 @@ from .scheduling.admission import Admission
 from .scheduling.scheduler import Scheduler, StepPlan
 from .scheduling.step_budget import StepBudget
 from .scheduling.step_cost import shape_of
-from .speculative.draft_model import DraftModel, load_draft_model
-from .speculative.mtp_drafter import MTPDrafter, mtp_head_specs
-from .speculative.mtp_head import checkpoint_files, load_mtp_head
+from .speculative.model_drafter import load_model_drafter
 from .speculative.speculator import speculator_for
 from .worker import Worker
 
@@ -67,23 +65,12 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         tree = probe_caches(model)
         self.vocab_size = tree.vocab
-        spec, mtp_head, draft_tree = config.speculative, None, None
-        if spec is not None and spec.method in ("draft", "mtp") and ranks:
-            raise ValueError(f"speculative method {spec.method!r} needs a replica of one Mac "
-                             "(tensor_parallel_size and pipeline_parallel_size 1)")
-        if spec is not None and spec.method == "draft":
-            draft_model, draft_tree, draft_head_groups = load_draft_model(spec.draft_model, config.dtype, tokenizer,
-                                                                          draft_model)
-        if spec is not None and spec.method == "mtp":
-            mtp_head = load_mtp_head(model, checkpoint_files(config.model))
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         kv_specs = tree.kv
-        if draft_tree is not None:  # its pool has as many pages as the target's
-            weights += sum(v.nbytes for _, v in tree_flatten(draft_model.parameters()))
-            kv_specs = tree.kv + draft_tree.kv
-        if mtp_head is not None:
-            weights += sum(v.nbytes for _, v in tree_flatten(mtp_head.parameters()))
-            kv_specs = tree.kv + mtp_head_specs(mtp_head, model)
+        drafter_model = load_model_drafter(config, model, tokenizer, draft_model, sharded=bool(ranks))
+        if drafter_model is not None:  # its pool has as many pages as the target's
+            weights += drafter_model.weights_bytes
+            kv_specs = tree.kv + drafter_model.kv_specs
         budget = ranks.min(kv_budget(weights, config.kv_memory_fraction)) if ranks else \
             kv_budget(weights, config.kv_memory_fraction)
         # Recurrent state: the running sequences' (twice: overlapped steps) and snapshots.
@@ -97,14 +84,8 @@ class Engine:
         self.pages = PageManager(num_pages, config.page_size)
         self.snapshots = StateSnapshots(tree.state_bytes, snapshot_bytes) if tree.states else None
         self.batching = probe_batching(model, tree) if config.batching == "auto" else config.batching
-        drafter_model = None
-        if draft_tree is not None:
-            drafter_model = DraftModel(draft_model, draft_tree, num_pages, config.page_size, draft_head_groups)
-        elif mtp_head is not None:
-            if self.batching == UNIFORM:
-                raise ValueError("speculative method 'mtp' needs a model that batches rows at different positions")
-            drafter_model = MTPDrafter(model, mtp_head, num_pages, config.page_size,
-                                       self.batching == RAGGED_HEAD_GROUPS)
+        if drafter_model is not None:
+            drafter_model = drafter_model.build(num_pages, self.batching)
         eos = set(getattr(tokenizer, "eos_token_ids", None) or []) if tokenizer is not None else set()
         self.budget = StepBudget(config.max_batched_tokens, config.max_token_gap_s, config.min_prefill_tokens,
                                  timed=config.step_budget == "time")
