@@ -104,8 +104,11 @@ def test_oracle_drafts_are_all_accepted(model):
     eng = engine(model, drafter)
     check_greedy(model, eng, ps, 21)
     st = eng.stats()["speculative"]
-    assert st["acceptance_rate"] == 1.0 and st["drafted_tokens"] == sum(drafter.proposed)
-    assert st["verify_rows"] == 6 * 4 and st["tokens_per_verify_row"] == 5.0  # 21 = the first token + 4 x (4 + 1)
+    # 21 = the first token + 4 x (4 + 1) when every row verifies every step; a row that
+    # decodes once (a step while another prompt is prefilled) has no room for a last 4.
+    assert st["acceptance_rate"] == 1.0 and st["tokens_per_verify_row"] == 5.0
+    assert st["drafted_tokens"] == 4 * st["verify_rows"] <= sum(drafter.proposed)
+    assert 6 * 3 <= st["verify_rows"] <= 6 * 4
     eng.shutdown()
 
 
