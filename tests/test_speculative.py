@@ -18,7 +18,9 @@ from tiny_models import make_tiny_model
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 from mlx_worker.speculative.draft_budget import DraftBudget, expected_tokens
+from mlx_worker.speculative.config import SpeculativeConfig
 from mlx_worker.speculative.ngram_index import NgramIndex
+from mlx_worker.speculative.speculator import MAX_BACKOFF, PROBE_STEPS, Speculator
 
 
 @pytest.fixture(scope="module")
@@ -312,3 +314,36 @@ def test_the_budget_drafts_where_verifying_is_cheap_and_drafts_are_right():
     assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(1.0, 3) == 4
     budget.observe(poor, 4, 0)
     assert poor.draft_acceptance < 0.1 and budget.prior < 0.5
+
+
+class DecodingRow(Row):
+    def __init__(self, acceptance, pending):
+        super().__init__(acceptance)
+        self.matcher, self.num_pending, self.num_scheduled_output = None, pending, 0
+        self.params, self.tokens = SamplingParams(max_tokens=10_000), [1, 2, 3]
+
+
+class Always:
+    def propose(self, seq, k):
+        return [7] * k
+
+
+def test_probes_for_drafts_back_off_where_the_budget_refuses_them():
+    """A synced step gives up the overlap: at a batch size where the budget keeps refusing
+    the drafts found, probes come ever more rarely; where drafts are taken, every step."""
+    cpu = np.array([0.003, 0.003, 0.001, 0.0, 0.003])
+    mac = np.array([0.010, 0.0002, 0.001, 0.0, 0.00005])
+
+    def synced_steps(rows, coef, steps=1024):
+        spec = Speculator(SpeculativeConfig(), drafter=Always())
+        synced = 0
+        for _ in range(steps):
+            sync = spec.wants_sync(rows)  # not synced: every row still has a token on the device
+            synced += sync
+            spec.plan([(DecodingRow(0.3, pending=not sync), 500) for _ in range(rows)], coef)
+        return synced
+
+    probes = synced_steps(32, cpu)
+    assert probes <= 1024 // (PROBE_STEPS << MAX_BACKOFF) + MAX_BACKOFF + 1
+    assert probes < 1024 // PROBE_STEPS // 4  # not one every PROBE_STEPS
+    assert synced_steps(1, mac) == 1024

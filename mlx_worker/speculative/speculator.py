@@ -3,7 +3,10 @@ tokens, and what came of it.
 
 A row drafts only when all its tokens are known: its previous step must have finished,
 so the engine gives up building that step ahead (`wants_sync`). While no row drafts,
-steps overlap again and every PROBE_STEPS-th step looks for drafts once more.
+steps overlap again and every PROBE_STEPS-th step looks for drafts once more; where the
+budget keeps refusing the drafts found (a large batch on a CPU), probes at that batch
+size come at twice the interval each time, up to PROBE_STEPS << MAX_BACKOFF (a synced
+step costs its overlap).
 
 Rows decode normally where drafting cannot give the same tokens cheaply: penalties
 (each token's penalty depends on the ones before it), grammars (the mask needs each
@@ -17,9 +20,10 @@ from typing import List, Optional, Sequence, Tuple
 from .config import SpeculativeConfig
 from .draft_budget import DraftBudget
 from .drafters import make_drafter
-from .realized_rate import RealizedRate
+from .realized_rate import RealizedRate, batch_bucket
 
 PROBE_STEPS = 8
+MAX_BACKOFF = 4
 
 
 class Speculator:
@@ -28,6 +32,7 @@ class Speculator:
         self.drafter = drafter or make_drafter(config.method)
         self.budget = DraftBudget(config.num_draft_tokens, config.adaptive)
         self.steps_without = PROBE_STEPS  # schedules since the last one that drafted
+        self.refused = {}  # batch bucket -> probes in a row whose drafts the budget refused
         self.drafted = self.accepted = self.verifies = self.emitted = 0
         self.realized = RealizedRate()
         self._emitted_seen = 0
@@ -44,7 +49,8 @@ class Speculator:
         """Whether the next schedule of `rows` decoding rows should see every token first
         (to draft from it): every step while rows drafted lately, then every PROBE_STEPS-th."""
         recent = self.steps_without < PROBE_STEPS
-        return (recent or self.steps_without % PROBE_STEPS == 0) and self.allows(rows)
+        interval = PROBE_STEPS << min(self.refused.get(batch_bucket(rows), 0), MAX_BACKOFF)
+        return (recent or self.steps_without % interval == 0) and self.allows(rows)
 
     def allows(self, rows: int) -> bool:
         return not self.config.adaptive or self.realized.allows(rows)
@@ -75,6 +81,9 @@ class Speculator:
                 own = proposed[i][:n]
                 drafts[i] = (own + [own[-1] if own else rows[i][0].tokens[-1]] * (k - n), n)
         self.steps_without = 0 if k else self.steps_without + 1
+        if candidates:
+            b = batch_bucket(len(rows))
+            self.refused[b] = 0 if k else self.refused.get(b, 0) + 1
         return drafts
 
     def observe(self, seq, drafted: int, accepted: int, emitted: int) -> None:
