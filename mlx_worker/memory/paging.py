@@ -1,7 +1,7 @@
 """Page size and page hashes, shared by the KV pool, the prefix cache and the router."""
 
 import hashlib
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Sequence
 
 import numpy as np
 
@@ -9,12 +9,13 @@ PAGE_SIZE = 16
 
 
 def page_hashes(
-    tokens: Iterable[int], page_size: int = PAGE_SIZE, parent: Optional[int] = None
+    tokens: Iterable[int], page_size: int = PAGE_SIZE, parent: Optional[int] = None, salts: Sequence[bytes] = ()
 ) -> List[int]:
     """Chained 64-bit hashes of each whole page of `tokens`.
 
     Hash i covers tokens[: (i + 1) * page_size]: it mixes the hash of page i - 1 with
-    the ids of page i, so equal hashes mean equal prefixes. `parent` continues a chain.
+    the ids of page i, so equal hashes mean equal prefixes. `parent` continues a chain;
+    `salts[i]`, where given, is mixed into page i's (the hashes of the images it shows).
     """
     ids = np.asarray(list(tokens), dtype=np.int64)
     out = []
@@ -24,6 +25,8 @@ def page_hashes(
         if h is not None:
             m.update(h.to_bytes(8, "little"))
         m.update(ids[start : start + page_size].tobytes())
+        if start // page_size < len(salts):
+            m.update(salts[start // page_size])
         h = int.from_bytes(m.digest(), "little") >> 1  # fits a signed int64
         out.append(h)
     return out

@@ -8,6 +8,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.utils import dequantize_model
 
+from ..vision.vision_model import is_vision_checkpoint, load_vision_model
 from .gguf import resolve_model
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -40,7 +41,11 @@ def apply_dtype(model: nn.Module, dtype: str = "auto") -> nn.Module:
 def load_model(spec: Optional[str] = None, dtype: str = "auto") -> Tuple[nn.Module, object]:
     """(model, tokenizer) for a Hugging Face id, an mlx-lm directory, a .gguf file, or
     None for the embedded default model."""
-    model, tokenizer = mlx_load(resolve_model(spec))
+    path = resolve_model(spec)
+    if is_vision_checkpoint(path):
+        model, tokenizer = load_vision_model(path)
+    else:
+        model, tokenizer = mlx_load(path)
     model = apply_dtype(model, dtype)
     mx.eval(model.parameters())
     return model, tokenizer

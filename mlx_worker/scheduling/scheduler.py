@@ -320,6 +320,7 @@ class Scheduler:
         elif seq.status == Status.WAITING:
             self.waiting.remove(seq)
         self._release(seq)
+        seq.embeds = None
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.by_rid.pop(seq.rid, None)

@@ -1,0 +1,54 @@
+"""A prompt's images as the engine takes them: the processor's arrays, each image's
+hash, and where its tokens are in the prompt."""
+
+import hashlib
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+
+class ImageInputs(BaseModel):
+    """`arrays`: what the model's processor returned besides the text (pixel_values, and
+    per family image_grid_thw, pixel_attention_mask, ...); `hashes`: one per image, of its
+    decoded pixels; `spans`: the prompt positions [start, end) of each image's tokens."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    arrays: Dict[str, Any]
+    hashes: List[str]
+    spans: List[Tuple[int, int]]
+
+    def page_salts(self, num_tokens: int, page_size: int) -> List[bytes]:
+        """Per page of the prompt, the hashes of the images whose tokens it holds (b"" for
+        none): mixed into the page hashes, so a page that shows an image matches only a
+        page that shows the same image (and every later page differs too: hashes chain)."""
+        salts = [b""] * (num_tokens // page_size)
+        for (start, end), h in zip(self.spans, self.hashes):
+            for page in range(start // page_size, min((end - 1) // page_size + 1, len(salts))):
+                salts[page] += bytes.fromhex(h)
+        return salts
+
+
+def image_hash(pixels: np.ndarray) -> str:
+    """Of an image's decoded pixels (its shape included): the same picture hashes alike
+    however it was sent (PNG or WebP, inline or by URL); a different one never does."""
+    m = hashlib.blake2b(digest_size=16)
+    m.update(str(pixels.shape).encode())
+    m.update(np.ascontiguousarray(pixels).tobytes())
+    return m.hexdigest()
+
+
+def image_spans(prompt_ids: List[int], image_token_id: int, num_images: int) -> List[Tuple[int, int]]:
+    """Each image's token positions: the runs of the image token, one run per image where
+    the processor lays them out so; otherwise (tiles of one image split by other tokens)
+    every image is taken to span all of them."""
+    ids = np.asarray(prompt_ids)
+    where = np.flatnonzero(ids == image_token_id)
+    if not len(where) or not num_images:
+        return []
+    breaks = np.flatnonzero(np.diff(where) > 1)
+    starts = [int(where[0])] + [int(where[b + 1]) for b in breaks]
+    ends = [int(where[b]) + 1 for b in breaks] + [int(where[-1]) + 1]
+    if len(starts) == num_images:
+        return list(zip(starts, ends))
+    return [(starts[0], ends[-1])] * num_images

@@ -1,0 +1,29 @@
+"""A conversation's text and images as a vision model's prompt, prepared as mlx-vlm's
+generation prepares it (`prepare_inputs`): the processor expands each image placeholder
+the chat template wrote into the image's tokens and turns the images into the arrays the
+vision tower reads."""
+
+from typing import List, Tuple
+
+import numpy as np
+
+from .image_inputs import ImageInputs, image_hash, image_spans
+
+TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def vision_prompt(processor, config, text: str, images: List) -> Tuple[List[int], ImageInputs]:
+    """(prompt ids, image inputs) of a rendered prompt and its decoded images (PIL, in
+    order; never paths or URLs: mlx-vlm would open them). `config`: the model's."""
+    from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
+
+    if any(isinstance(im, (str, bytes)) for im in images):
+        raise TypeError("images must be decoded (PIL), not paths or URLs")
+    out = prepare_inputs(processor, images=images, prompts=text,
+                         image_token_index=getattr(config, "image_token_index", None),
+                         add_special_tokens=should_add_special_tokens(config.model_type, processor))
+    ids = np.asarray(out["input_ids"])[0].tolist()
+    arrays = {k: np.asarray(v) for k, v in out.items() if k not in TEXT_KEYS and v is not None}
+    hashes = [image_hash(np.asarray(im.convert("RGB"))) for im in images]
+    image_token = getattr(config, "image_token_index", None) or getattr(config, "image_token_id")
+    return ids, ImageInputs(arrays=arrays, hashes=hashes, spans=image_spans(ids, image_token, len(images)))

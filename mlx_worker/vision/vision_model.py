@@ -1,0 +1,99 @@
+"""A vision-language model of mlx-vlm's, as the engine runs it: its language model in the
+batched paged step like any text model, its vision tower turning a prompt's images into
+the embeddings that take the image tokens' places (mlx-vlm's `get_input_embeddings`)."""
+
+import json
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as mlx_cache
+
+from .image_inputs import ImageInputs
+from .prompt import vision_prompt
+
+# The vision families whose language model takes the engine's per-row positions as they
+# are (one RoPE position per token). Qwen-VL's M-RoPE positions come with the images.
+FAMILIES = ("gemma3",)
+
+
+def is_vision_checkpoint(path: str) -> bool:
+    config = Path(path) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
+
+
+class VisionLanguageModel(nn.Module):
+    """mlx-vlm's model behind the interface the engine calls on mlx-lm's: `model(inputs,
+    cache)` gives logits, `make_cache()` mlx-lm's cache kinds, and `language_model` the
+    text model whose body and head the engine splits."""
+
+    def __init__(self, vlm: nn.Module, processor):
+        super().__init__()
+        self.vlm = vlm
+        self._processor = processor  # underscored: not a module
+        config = vlm.config
+        self.image_token_id = getattr(config, "image_token_index", None) or getattr(config, "image_token_id")
+
+    @property
+    def language_model(self) -> nn.Module:
+        return self.vlm.language_model
+
+    @property
+    def processor(self):
+        return self._processor
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None) -> mx.array:
+        return self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache).logits
+
+    def body(self, inputs: mx.array, cache, input_embeddings: mx.array) -> mx.array:
+        """The final hidden states (the engine applies the head where it samples)."""
+        return self.language_model.model(inputs, inputs_embeds=input_embeddings, cache=cache)
+
+    def make_cache(self) -> list:
+        return [_as_mlx_lm(c) for c in self.language_model.make_cache()]
+
+    def prompt(self, text: str, images: List) -> Tuple[List[int], ImageInputs]:
+        """(prompt ids, image inputs) of a rendered chat prompt and its decoded images."""
+        return vision_prompt(self._processor, self.vlm.config, text, images)
+
+    def prompt_embeddings(self, prompt_ids: List[int], images: ImageInputs) -> mx.array:
+        """(len(prompt_ids), hidden): the text tokens' embeddings with the images' in their
+        tokens' places, as mlx-vlm's generation computes them (still lazy)."""
+        arrays = {k: mx.array(v) for k, v in images.arrays.items()}
+        ids = mx.array([prompt_ids])
+        out = self.vlm.get_input_embeddings(ids, arrays.pop("pixel_values"), mask=mx.ones(ids.shape, mx.int32),
+                                            **arrays)
+        return out.inputs_embeds[0]
+
+
+def _as_mlx_lm(c):
+    """mlx-vlm's cache objects are its own classes: mlx-lm's of the same kind, which the
+    engine reads the model's layout from (model_caches.probe_caches)."""
+    kind = type(c).__name__
+    if kind == "KVCache":
+        return mlx_cache.KVCache()
+    if kind == "RotatingKVCache":
+        return mlx_cache.RotatingKVCache(max_size=c.max_size, keep=c.keep)
+    if kind == "ChunkedKVCache":
+        return mlx_cache.ChunkedKVCache(c.chunk_size)
+    if kind == "ArraysCache":
+        return mlx_cache.ArraysCache(len(c.cache))
+    if kind == "CacheList":
+        return mlx_cache.CacheList(*(_as_mlx_lm(x) for x in c.caches))
+    raise NotImplementedError(f"mlx-vlm's {kind} layers are not supported yet")
+
+
+def load_vision_model(path: str):
+    """(VisionLanguageModel, mlx-lm TokenizerWrapper) of a vision checkpoint directory;
+    the processor (chat template, image preprocessing) rides on the model."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from mlx_vlm.utils import load as vlm_load
+
+    vlm, processor = vlm_load(path)
+    model_type = vlm.config.model_type
+    if model_type not in FAMILIES:
+        raise ValueError(f"vision model type {model_type!r} is not served yet (served: {', '.join(FAMILIES)})")
+    eos = vlm.config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else eos
+    return VisionLanguageModel(vlm, processor), TokenizerWrapper(processor.tokenizer, eos_token_ids=eos)

@@ -1,0 +1,144 @@
+"""Images in prompts: a vision-language checkpoint (mlx-vlm's classes, a tiny random
+Gemma 3) served by the engine gives mlx-vlm's own greedy tokens, alone and batched with
+text and other images, with prefill chunks across the image tokens and prefix hits, and
+a page that shows an image matches only a page that shows the same image."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from conftest import collect
+from PIL import Image
+from tiny_models import make_tiny_model
+from tiny_vision import save_tiny_gemma3_vision
+
+from mlx_worker import Engine, EngineConfig, Request, SamplingParams
+from mlx_worker.memory.paging import page_hashes
+from mlx_worker.vision.image_inputs import image_spans
+
+N = 10
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(save_tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3_vision")))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """mlx-vlm's own greedy generation: (messages, images) -> token ids."""
+    from mlx_vlm import load, stream_generate
+
+    vlm, processor = load(checkpoint)
+
+    def generate(messages, images):
+        prompt = render(processor, messages)
+        out = [r.token for r in stream_generate(vlm, processor, prompt, image=images or None, max_tokens=N,
+                                                temperature=0.0)]
+        return out[:N]
+
+    return generate
+
+
+def picture(seed, size=(40, 50)):
+    return Image.fromarray((np.random.RandomState(seed).rand(*size, 3) * 255).astype(np.uint8))
+
+
+def render(processor, messages):
+    return processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def user(*parts):
+    return {"role": "user", "content": [{"type": "image"} if not isinstance(p, str) else {"type": "text", "text": p}
+                                        for p in parts]}
+
+
+
+def request(eng, rid, messages, images):
+    text = render(eng.model.processor, messages)
+    if images:
+        ids, inputs = eng.model.prompt(text, images)
+    else:
+        ids, inputs = eng.tokenizer.encode(text, add_special_tokens=False), None
+    return Request(rid=rid, prompt_ids=ids, images=inputs, params=SamplingParams(max_tokens=N, temperature=0.0))
+
+
+def run(eng, reqs):
+    async def main():
+        return await asyncio.gather(*[collect(eng, r) for r in reqs])
+
+    return asyncio.run(main())
+
+
+CONVERSATIONS = [
+    ([user("Look at this:", None, "What is in this picture?")], [picture(0)]),
+    ([user("Two of them.", None, None, "Which is brighter?")], [picture(1), picture(2, (30, 30))]),
+    ([user("No picture here, just words to continue.")], []),
+    ([user(None, "Describe it in one line, then list the colours you see, in order of area.")], [picture(3, (64, 20))]),
+]
+
+
+@pytest.mark.parametrize("chunk", [2048, 16])
+def test_greedy_tokens_equal_mlx_vlm_batched_with_text_and_other_images(checkpoint, reference, chunk):
+    eng = Engine(EngineConfig(model=checkpoint, max_total_tokens=4096, max_batched_tokens=chunk))
+    try:
+        reqs = [request(eng, f"r{i}", m, ims) for i, (m, ims) in enumerate(CONVERSATIONS)]
+        if chunk == 16:  # a chunk boundary falls inside an image's tokens
+            assert any(s // 16 != (e - 1) // 16 for r in reqs if r.images for s, e in r.images.spans)
+        outs = run(eng, reqs)
+        for (messages, images), (toks, last) in zip(CONVERSATIONS, outs):
+            assert toks == reference(messages, images)
+        assert outs[0][1].num_prompt_tokens == len(reqs[0].prompt_ids) > 4  # image tokens counted
+        assert eng.stats()["kv_pages_used"] == 0
+    finally:
+        eng.shutdown()
+
+
+def test_a_second_turn_with_the_same_image_is_a_prefix_hit_and_another_image_never_is(checkpoint, reference):
+    eng = Engine(EngineConfig(model=checkpoint, max_total_tokens=4096))
+    try:
+        lead = "A long description of the scene comes first, so that the first page is text only:"
+        first = [user(lead, None, "What is it?")]
+        (toks, last), = run(eng, [request(eng, "t1", first, [picture(5)])])
+        assert toks == reference(first, [picture(5)]) and last.num_cached_tokens == 0
+        answer = eng.tokenizer.decode(toks)
+        second = first + [{"role": "assistant", "content": [{"type": "text", "text": answer}]}, user("And its colour?")]
+        req = request(eng, "t2", second, [picture(5)])
+        (toks, last), = run(eng, [req])
+        assert toks == reference(second, [picture(5)])
+        span_end = req.images.spans[0][1]
+        assert last.num_cached_tokens >= span_end // 16 * 16 + 16  # past the image's pages
+        # The same words about another picture: only the text-only pages before it hit.
+        other = request(eng, "t3", second, [picture(6)])
+        (toks, last), = run(eng, [other])
+        assert toks == reference(second, [picture(6)])
+        assert last.num_cached_tokens == other.images.spans[0][0] // 16 * 16 > 0
+    finally:
+        eng.shutdown()
+
+
+def test_page_hashes_mix_in_the_images_each_page_shows():
+    ids = list(range(100, 148))  # 3 pages; an image's tokens at 20..27 (page 1)
+    spans = image_spans([0] * 20 + [7] * 8 + [0] * 20, 7, 1)
+    assert spans == [(20, 28)]
+    from mlx_worker.vision.image_inputs import ImageInputs
+
+    a = ImageInputs(arrays={}, hashes=["aa" * 16], spans=spans).page_salts(48, 16)
+    b = ImageInputs(arrays={}, hashes=["bb" * 16], spans=spans).page_salts(48, 16)
+    ha, hb, plain = page_hashes(ids, 16, None, a), page_hashes(ids, 16, None, b), page_hashes(ids, 16)
+    assert ha[0] == hb[0] == plain[0] and len({ha[1], hb[1], plain[1]}) == 3 and ha[2] != hb[2]
+    # Tiles of one image split by other tokens: the image spans them all.
+    assert image_spans([7, 7, 0, 7, 7, 0], 7, 1) == [(0, 5)]
+    assert image_spans([7, 7, 0, 7, 7, 0], 7, 2) == [(0, 2), (3, 5)]
+
+
+def test_a_text_model_refuses_images(checkpoint):
+    eng = Engine(EngineConfig(max_total_tokens=1024), model=make_tiny_model("llama"))
+    try:
+        from mlx_worker.vision.image_inputs import ImageInputs
+
+        req = Request(rid="x", prompt_ids=[1, 2, 3], images=ImageInputs(arrays={}, hashes=[], spans=[]))
+        with pytest.raises(ValueError, match="reads no images"):
+            run(eng, [req])
+    finally:
+        eng.shutdown()

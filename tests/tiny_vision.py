@@ -1,0 +1,72 @@
+"""Tiny random-weight vision-language checkpoints of mlx-vlm's own classes, written as
+users have them (config.json, safetensors, tokenizer, processor configs), with the
+default model's tokenizer plus the family's image tokens."""
+
+import importlib
+import json
+from pathlib import Path
+
+import mlx_worker  # noqa: F401  (before mlx: binds MLX to OpenBLAS on Linux)
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+from transformers import AutoTokenizer
+
+from mlx_worker.models.gguf import default_model_path
+
+WEIGHT_SCALE = 4.0
+IMAGE_SIZE = 56  # 4 x 4 patches of 14 pixels
+
+# A Gemma-like chat template: an image part renders as the processor's placeholder.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+
+
+def save_tiny_gemma3_vision(path: Path, seed: int = 0, tokens_per_image: int = 16) -> Path:
+    """A Gemma 3 vision checkpoint: SigLIP tower (2 layers), projector, a 4-layer text
+    model with sliding-window layers (window 8)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
+    tok.add_special_tokens({"additional_special_tokens": list(GEMMA3_TOKENS.values())})
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(path))
+    config_file = path / "tokenizer_config.json"
+    tok_config = json.loads(config_file.read_text())
+    tok_config["extra_special_tokens"] = GEMMA3_TOKENS
+    config_file.write_text(json.dumps(tok_config))
+    image_token = tok.convert_tokens_to_ids(GEMMA3_TOKENS["image_token"])
+    vocab = len(tok)
+    config = {
+        "model_type": "gemma3", "image_token_index": image_token, "vocab_size": vocab, "hidden_size": 64,
+        # As Gemma's <pad>: a token no prompt holds (mlx-vlm zeroes its embedding in prompts with images).
+        "pad_token_id": tok.convert_tokens_to_ids("<|endoftext|>"), "eos_token_id": [tok.eos_token_id],
+        "text_config": dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=vocab,
+                            query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=2,
+                            mm_tokens_per_image=tokens_per_image),
+        "vision_config": dict(model_type="siglip_vision_model", hidden_size=32, num_hidden_layers=2,
+                              intermediate_size=64, num_attention_heads=2, patch_size=14, image_size=IMAGE_SIZE),
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE}, "do_resize": True, "resample": 2,
+        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
+        "do_pan_and_scan": False}))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor",
+                                                             "image_seq_length": tokens_per_image}))
+    module = importlib.import_module("mlx_vlm.models.gemma3")
+    model = module.Model(module.ModelConfig.from_dict({**config, "text_config": module.TextConfig.from_dict(
+        config["text_config"]), "vision_config": module.VisionConfig.from_dict(config["vision_config"])}))
+    mx.random.seed(seed)
+    model.update(tree_map(lambda w: mx.random.normal(w.shape) * 0.02 * WEIGHT_SCALE
+                          if w.ndim >= 2 and mx.issubdtype(w.dtype, mx.floating) else w, model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return path
