@@ -34,7 +34,7 @@ test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 FAST_TESTS := admission draft_model mtp client_timeout step_budget page_manager detokenizer sampler protocol router_unit configuration \
-	grammar engine_correctness engine_sampling engine_structured engine_lifecycle replica_groups output_head prompt_logprobs adapters speculative vision
+	grammar engine_correctness engine_sampling engine_structured engine_lifecycle replica_groups output_head prompt_logprobs adapters speculative vision image_decoding
 test-fast: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) $(foreach t,$(FAST_TESTS),tests/test_$(t).py)
 

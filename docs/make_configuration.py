@@ -16,6 +16,7 @@ from mlx_worker.config import EngineConfig  # noqa: E402
 from mlx_worker.speculative.config import SpeculativeConfig  # noqa: E402
 from serve_app.config import AppArgs, ModelArgs, ReplicaGroupArgs  # noqa: E402
 from serve_app.routing.prefix_policy import PrefixAffinityConfig  # noqa: E402
+from serve_app.vision.image_args import ImageArgs  # noqa: E402
 
 PAGE = ROOT / "docs" / "configuration.md"
 
@@ -58,12 +59,16 @@ SECTIONS = [
     (ReplicaGroupArgs, "Replica groups: `args.replica_groups[]`",
      "Replicas of different sizes in one app (docs/cluster.md section 8); each group's unset keys take the app's."),
     (PrefixAffinityConfig, "Router: `args.router_kwargs:`", "Knobs of the prefix-affinity router (`router: prefix`)."),
+    (ImageArgs, "Images: `args.images:`",
+     "Images in requests to vision models (docs/vision.md): decoded at the ingress within these limits; a request "
+     "beyond them gets a 400 that says which."),
 ]
 
 
 def default_of(field) -> str:
     if field.default_factory is not None:
-        return f"`{json.dumps(field.default_factory())}`"
+        value = field.default_factory()
+        return "see below" if hasattr(value, "model_dump") else f"`{json.dumps(value)}`"
     if field.is_required():
         return "required"
     return f"`{json.dumps(field.default)}`"
@@ -71,7 +76,7 @@ def default_of(field) -> str:
 
 def type_of(field) -> str:
     text = str(field.annotation).replace("typing.", "").replace("NoneType", "None").replace("serve_app.config.", "")
-    text = text.replace("mlx_worker.speculative.config.", "")
+    text = text.replace("mlx_worker.speculative.config.", "").replace("serve_app.vision.image_args.", "")
     return text.replace("<class '", "").replace("'>", "").replace("|", "\\|")
 
 

@@ -9,6 +9,7 @@ from mlx_worker.strict_model import StrictModel, check_keys
 
 from .model_files import served_name
 from .routing.prefix_policy import PrefixAffinityConfig
+from .vision.image_args import ImageArgs
 
 
 class ReplicaGroupArgs(StrictModel):
@@ -84,6 +85,8 @@ class AppArgs(StrictModel):
     """Replicas of different sizes in one app (docs/cluster.md section 8)."""
     adapters: Dict[str, str] = Field(default_factory=dict)
     """LoRA adapters on the app's one model: name -> directory (with `models:`, each model's own)."""
+    images: ImageArgs = Field(default_factory=ImageArgs)
+    """Images in requests to vision models: how many, how large, whether URLs are fetched (docs/vision.md)."""
     models: List[ModelArgs] = Field(default_factory=list)
     """Several models in one app (docs/models.md); absent: the one model of `model:`. A request without `model` goes to the first."""
 

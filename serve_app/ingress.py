@@ -129,8 +129,8 @@ class Ingress:
         self._auth(request)
         body = P.parse_request(P.ChatCompletionRequest, await self._body(request))
         t = self.catalog.resolve(body.model)
-        prompt_ids, parser, grammar = self._chat_prompt(t.model, body)
-        return await self._serve(t, body, prompt_ids, "chat", parser, grammar)
+        prompt_ids, parser, grammar, images = await self._chat_prompt(t.model, body)
+        return await self._serve(t, body, prompt_ids, "chat", parser, grammar, images=images)
 
     @api.post("/v1/messages")
     async def messages(self, request: Request):
@@ -158,7 +158,7 @@ class Ingress:
         self._auth(request)
         body = P.parse_request(A.CountTokensRequest, await self._body(request))
         t = self.catalog.resolve(body.model)
-        prompt_ids, _, _ = self._chat_prompt(t.model, self._as_chat(body))
+        prompt_ids, _, _, _ = await self._chat_prompt(t.model, self._as_chat(body))
         return {"input_tokens": len(prompt_ids)}
 
     @api.post("/v1/completions")
@@ -215,8 +215,9 @@ class Ingress:
         body = P.parse_request(cls, await self._body(request))
         t = self.catalog.resolve(body.model)
         chat = self._as_chat(body)
-        prompt_ids, parser, grammar = self._chat_prompt(t.model, chat)
-        first, stream = await self._start(t, rid, prompt_ids, self._params(t.model, chat, prompt_ids, field, grammar))
+        prompt_ids, parser, grammar, images = await self._chat_prompt(t.model, chat)
+        first, stream = await self._start(t, rid, prompt_ids, self._params(t.model, chat, prompt_ids, field, grammar),
+                                          images)
         return t, body, rid, parser, first, stream
 
     @staticmethod
@@ -230,9 +231,10 @@ class Ingress:
             raise P.ProtocolError(str(e), "input") from None
 
     @staticmethod
-    def _chat_prompt(m: ServedModel, body: "P.ChatCompletionRequest"):
+    async def _chat_prompt(m: ServedModel, body: "P.ChatCompletionRequest"):
         """The prompt's token ids (chat template, tools rendered into it), the tools the
-        output may call, and the grammar that forces a call (tool_choice required/named)."""
+        output may call, the grammar that forces a call (tool_choice required/named), and
+        its images (mlx_worker.vision ImageInputs; None without)."""
         choice = body.effective_tool_choice
         tools = body.tools if choice != "none" else None
         messages, kw, grammar = body.chat_messages(), dict(body.chat_template_kwargs or {}), None
@@ -247,11 +249,18 @@ class Ingress:
                 grammar = T.call_grammar(tools, choice, m.call_format)
             except ValueError as e:
                 raise P.ProtocolError(str(e), "tool_choice")
-        try:
-            prompt_ids = list(m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kw))
-        except Exception as e:  # noqa: BLE001 - templates raise anything
-            raise P.ProtocolError(f"chat template failed: {e}", "messages")
-        return prompt_ids, m.parser_factory(prompt_ids, tools), grammar
+        sources, images = body.image_urls(), None
+        if sources and m.vision is None:
+            raise P.ProtocolError(f"model {m.name!r} reads no images: send text, or use a vision model",
+                                  "messages", "invalid_image")
+        if sources:
+            prompt_ids, images = await m.vision.prompt(messages, kw, sources)
+        else:
+            try:
+                prompt_ids = list(m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kw))
+            except Exception as e:  # noqa: BLE001 - templates raise anything
+                raise P.ProtocolError(f"chat template failed: {e}", "messages")
+        return prompt_ids, m.parser_factory(prompt_ids, tools), grammar, images
 
     def _params(self, m: ServedModel, body, prompt_ids: List[int], field: str, tool_grammar=None):
         n = len(prompt_ids)
@@ -260,11 +269,11 @@ class Ingress:
                                   field, "context_length_exceeded")
         return P.to_sampling_params(body, self.args.default_max_tokens, m.max_model_len, n, tool_grammar)
 
-    async def _start(self, t: Target, rid: str, prompt_ids: List[int], params):
+    async def _start(self, t: Target, rid: str, prompt_ids: List[int], params, images=None):
         """Send a request to a replica of its model: its first output and the rest of the stream."""
-        hashes = t.model.page_hashes(prompt_ids, t.adapter)
+        hashes = t.model.page_hashes(prompt_ids, t.adapter, images)
         payload = {"rid": rid, "prompt_ids": prompt_ids, "params": params.model_dump(), "page_hashes": hashes,
-                   "adapter": t.adapter}
+                   "adapter": t.adapter, "images": images.model_dump() if images is not None else None}
         name = t.model.name
         self.residency.begin(name)  # in flight until the response is done with its stream
         try:
@@ -375,10 +384,10 @@ class Ingress:
         return raw
 
     async def _serve(self, t: Target, body, prompt_ids: List[int], kind: str, parser=None, tool_grammar=None,
-                     echo=None):
+                     echo=None, images=None):
         params = self._params(t.model, body, prompt_ids, "messages" if kind == "chat" else "prompt", tool_grammar)
         rid = P.random_id("chatcmpl" if kind == "chat" else "cmpl")
-        first, stream = await self._start(t, rid, prompt_ids, params)
+        first, stream = await self._start(t, rid, prompt_ids, params, images)
         tokenizer = t.model.tokenizer
         decode = (lambda tok: tokenizer.decode([tok])) if params.logprobs else None
         if body.stream:

@@ -44,11 +44,12 @@ def error_body(status: int, message: str) -> dict:
 
 # --- request ------------------------------------------------------------------------------
 class Block(BaseModel):
-    """A content block: text, tool_use (an assistant's call) or tool_result."""
+    """A content block: text, image, tool_use (an assistant's call) or tool_result."""
 
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]
+    type: Literal["text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"]
     text: Optional[str] = None
+    source: Optional[Dict[str, Any]] = None  # image: {"type": "base64", "media_type", "data"} | {"type": "url", "url"}
     id: Optional[str] = None  # tool_use
     name: Optional[str] = None
     input: Optional[Dict[str, Any]] = None
@@ -152,9 +153,23 @@ def _chat_messages(m: InputMessage) -> List[Dict[str, Any]]:
         if b.type == "tool_result":
             out.append({"role": "tool", "tool_call_id": b.tool_use_id,
                         "content": ("Error: " if b.is_error else "") + b.result_text()})
-    if text:
+    if any(b.type == "image" for b in m.content):  # text and images in their order, as chat parts
+        parts = [{"type": "text", "text": b.text or ""} if b.type == "text" else
+                 {"type": "image_url", "image_url": {"url": _image_url(b.source or {})}}
+                 for b in m.content if b.type in ("text", "image")]
+        out.append({"role": "user", "content": parts})
+    elif text:
         out.append({"role": "user", "content": "\n".join(text)})
     return out
+
+
+def _image_url(source: Dict[str, Any]) -> str:
+    if source.get("type") == "base64":
+        return f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}"
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise ValueError('an image block\'s source must be {"type": "base64", "media_type", "data"} or '
+                     '{"type": "url", "url"}')
 
 
 # --- response -----------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from .tools import Tool, ToolCall, ToolChoice
 
 
 class Message(BaseModel):
-    """A chat message; content is text (a list of text parts is joined with newlines)."""
+    """A chat message; content is text (a list of text parts is joined with newlines). A
+    user message's image_url parts keep their places among its text parts (`parts`)."""
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
@@ -35,6 +36,29 @@ class Message(BaseModel):
     name: Optional[str] = None
     tool_calls: Optional[List[ToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # a tool message: the call it answers
+    parts: Optional[List[Dict[str, Any]]] = None  # text and {"type": "image"} parts in order, when it shows images
+    image_urls: List[str] = Field(default_factory=list)  # its images' URLs (data URIs, http(s)), in order
+
+    @model_validator(mode="before")
+    @classmethod
+    def _image_parts(cls, data):
+        content = data.get("content") if isinstance(data, dict) else None
+        if not isinstance(content, list) or not any(_is_image(p) for p in content):
+            return data
+        if data.get("role") != "user":
+            raise ValueError("only user messages may hold images")
+        parts, urls = [], []
+        for p in content:
+            if _is_image(p):
+                image = p.get("image_url")
+                url = image.get("url") if isinstance(image, dict) else image
+                if not isinstance(url, str) or not url:
+                    raise ValueError('an image_url part needs {"url": "data:image/...;base64,..." or "https://..."}')
+                urls.append(url)
+                parts.append({"type": "image"})
+            elif isinstance(p, dict) and isinstance(p.get("text"), str):
+                parts.append({"type": "text", "text": p["text"]})
+        return {**data, "content": [p for p in content if not _is_image(p)], "parts": parts, "image_urls": urls}
 
     @field_validator("content", mode="before")
     @classmethod
@@ -64,7 +88,8 @@ class Message(BaseModel):
     def template_dict(self) -> Dict[str, Any]:
         """The message as chat templates take it (developer -> system; a call's
         arguments as an object, as HF templates render them)."""
-        m: Dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
+        m: Dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                             "content": self.parts or self.content or ""}
         if self.tool_calls:
             m["tool_calls"] = [{"id": c.id, "type": "function",
                                 "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
@@ -116,6 +141,14 @@ class ChatCompletionRequest(_Request):
     def chat_messages(self) -> List[Dict[str, Any]]:
         """Messages for `tokenizer.apply_chat_template`."""
         return [m.template_dict() for m in self.messages]
+
+    def image_urls(self) -> List[str]:
+        """The images of all messages, in the order the prompt shows them."""
+        return [u for m in self.messages for u in m.image_urls]
+
+
+def _is_image(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image_url"
 
 
 class TopLogprob(BaseModel):

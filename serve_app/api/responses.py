@@ -141,7 +141,12 @@ def _add_item(messages: List[Dict[str, Any]], item: Dict[str, Any]) -> None:
     kind = item.get("type", "message")
     if kind == "message":
         content = item.get("content")
-        if isinstance(content, list):
+        if isinstance(content, list) and any(p.get("type") == "input_image" for p in content):
+            # text and images in their order, as chat parts (input_image: {"image_url": "data:..." | "https://..."})
+            content = [{"type": "image_url", "image_url": {"url": p.get("image_url") or ""}}
+                       if p.get("type") == "input_image" else {"type": "text", "text": p.get("text", "")}
+                       for p in content if p.get("type") in ("input_text", "output_text", "text", "input_image")]
+        elif isinstance(content, list):
             content = "\n".join(p.get("text", "") for p in content
                                 if p.get("type") in ("input_text", "output_text", "text"))
         messages.append({"role": item.get("role"), "content": content})

@@ -15,6 +15,7 @@ from ..api.output_parser import OutputParser, starts_in_reasoning, think_format
 from ..config import AppArgs, ModelArgs
 from ..model_files import context_length, download_tokenizer
 from ..routing.replica_groups import GroupPicker
+from ..vision.prompter import vision_prompter
 
 
 class ServedModel:
@@ -45,6 +46,7 @@ class ServedModel:
         self.call_format = T.HARMONY_CALLS if self.harmony else T.call_format(self.tokenizer)
         self.think = think_format(self.tokenizer)
         self.pooling = E.pooling(local)
+        self.vision = vision_prompter(local, args.images)  # None: a text model
 
     def parser_factory(self, prompt_ids: List[int], tools):
         """Makes a sample's OutputParser (reasoning, content, tool calls); None when the
@@ -56,12 +58,13 @@ class ServedModel:
         in_reasoning = starts_in_reasoning(self.tokenizer, prompt_ids)
         return lambda: OutputParser(self.think, self.call_format, tools, in_reasoning)
 
-    def page_hashes(self, prompt_ids: List[int], adapter: Optional[str]) -> List[int]:
+    def page_hashes(self, prompt_ids: List[int], adapter: Optional[str], images=None) -> List[int]:
         """The router's page hashes of a prompt, chained from its adapter's root as the
         engine's are (a replica holds an adapter's pages apart from the base's). Under an
         adapter the root comes first: replicas report the roots of their resident
         adapters with their pages, so a prompt none has cached still goes where its
         adapter is loaded."""
         root = adapter_root(adapter)
-        hashes = page_hashes(prompt_ids, self.page_size, root)
+        salts = images.page_salts(len(prompt_ids), self.page_size) if images is not None else ()
+        hashes = page_hashes(prompt_ids, self.page_size, root, salts)
         return hashes if root is None else [root, *hashes]

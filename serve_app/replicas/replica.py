@@ -11,6 +11,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 from mlx_worker.memory.paging import adapter_root
+from mlx_worker.vision.image_inputs import ImageInputs
 
 from .rank_group import RankGroup
 
@@ -153,7 +154,8 @@ class EngineReplica:
         self.evict_asked = False  # in use again
         req = Request(rid=request["rid"], prompt_ids=request["prompt_ids"],
                       params=SamplingParams(**request["params"]), timeout_s=request.get("timeout_s"),
-                      adapter=request.get("adapter"))
+                      adapter=request.get("adapter"),
+                      images=ImageInputs(**request["images"]) if request.get("images") else None)
         m = self.metrics
         last: Dict[int, float] = {}  # sample index -> when its previous delta came
         first = last_out = None

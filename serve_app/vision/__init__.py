@@ -1,0 +1,1 @@
+"""Images in API requests: decoded and limited at the ingress, prompted by the model's processor."""
