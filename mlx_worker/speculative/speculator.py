@@ -23,7 +23,7 @@ from .drafters import make_drafter
 from .realized_rate import RealizedRate, batch_bucket
 
 PROBE_STEPS = 8
-MAX_BACKOFF = 4
+MAX_BACKOFF = 2
 
 
 class Speculator:
