@@ -104,6 +104,7 @@ class Sequence:
     hidden: Optional[tuple] = None  # (final hidden states (n, H), first position) of its last forward (method mtp)
     images: Optional[ImageInputs] = None  # Request.images
     embeds: Optional[mx.array] = None  # its prompt's input embeddings, images in place (vision/), once a chunk needed them
+    mrope: Optional[tuple] = None  # (prompt positions (3, n) or None, delta after the prompt): an M-RoPE model's (vision/)
 
     def __post_init__(self):
         self.num_tokens = len(self.tokens)

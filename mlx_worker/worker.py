@@ -65,6 +65,7 @@ class Worker:
                  staging_bytes: int = 0, snapshots=None, batching: str = RAGGED, scratch_bytes: int = 0,
                  adapters=None, draft=None):
         self.model = model
+        self.vision = hasattr(model, "forward_kwargs")  # vision/vision_model.py
         self.draft = draft  # speculative.DraftModel: runs every forward too, and drafts for verify rows
         self.adapters = adapters  # adapters.AdapterSlots: each forward's rows name their LoRA adapters
         self.batching = batching
@@ -197,9 +198,9 @@ class Worker:
             self.adapters.select(s.adapter_slot for s in seqs)
         t, c = time.perf_counter(), time.thread_time()
         hidden = body_only or (self.draft is not None and self.draft.needs_hidden)
-        if embeds is not None:
-            out = self.model.body(inputs, kv.caches, embeds) if hidden else \
-                self.model(inputs, cache=kv.caches, input_embeddings=embeds)
+        extra = self.model.forward_kwargs(seqs, offsets, L, embeds) if self.vision else {}
+        if extra:  # a vision model's rows: their embeddings where they show images, their positions (M-RoPE)
+            out = self.model.body(inputs, kv.caches, **extra) if hidden else self.model(inputs, cache=kv.caches, **extra)
         else:
             out = self.split[0](inputs, kv.caches) if hidden else self.model(inputs, cache=kv.caches)
         if self.draft is not None:

@@ -1,7 +1,8 @@
-"""Images in prompts: a vision-language checkpoint (mlx-vlm's classes, a tiny random
-Gemma 3) served by the engine gives mlx-vlm's own greedy tokens, alone and batched with
-text and other images, with prefill chunks across the image tokens and prefix hits, and
-a page that shows an image matches only a page that shows the same image."""
+"""Images in prompts: a vision-language checkpoint (mlx-vlm's classes: a tiny random
+Gemma 3, and a Qwen2.5-VL, whose M-RoPE positions the engine makes per row) served by the
+engine gives mlx-vlm's own greedy tokens, alone and batched with text and other images,
+with prefill chunks across the image tokens and prefix hits, and a page that shows an
+image matches only a page that shows the same image."""
 
 import asyncio
 
@@ -10,7 +11,7 @@ import pytest
 from conftest import collect
 from PIL import Image
 from tiny_models import make_tiny_model
-from tiny_vision import save_tiny_gemma3_vision
+from tiny_vision import save_tiny_gemma3_vision, save_tiny_qwen2_5_vision
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 from mlx_worker.memory.paging import page_hashes
@@ -19,9 +20,10 @@ from mlx_worker.vision.image_inputs import image_spans
 N = 10
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return str(save_tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3_vision")))
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl"])
+def checkpoint(request, tmp_path_factory):
+    save = {"gemma3": save_tiny_gemma3_vision, "qwen2_5_vl": save_tiny_qwen2_5_vision}[request.param]
+    return str(save(tmp_path_factory.mktemp(request.param)))
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +134,7 @@ def test_page_hashes_mix_in_the_images_each_page_shows():
     assert image_spans([7, 7, 0, 7, 7, 0], 7, 2) == [(0, 2), (3, 5)]
 
 
-def test_a_text_model_refuses_images(checkpoint):
+def test_a_text_model_refuses_images():
     eng = Engine(EngineConfig(max_total_tokens=1024), model=make_tiny_model("llama"))
     try:
         from mlx_worker.vision.image_inputs import ImageInputs

@@ -27,9 +27,16 @@ CHAT_TEMPLATE = (
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
 
 
-def save_tiny_gemma3_vision(path: Path, seed: int = 0, tokens_per_image: int = 16) -> Path:
-    """A Gemma 3 vision checkpoint: SigLIP tower (2 layers), projector, a 4-layer text
-    model with sliding-window layers (window 8)."""
+TINY_TEXT = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                 sliding_window_pattern=2)
+TINY_VISION = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2)
+
+
+def save_tiny_gemma3_vision(path: Path, seed: int = 0, tokens_per_image: int = 16, image_size: int = IMAGE_SIZE,
+                            text: dict = TINY_TEXT, vision: dict = TINY_VISION, scale: float = WEIGHT_SCALE) -> Path:
+    """A Gemma 3 vision checkpoint: SigLIP tower (by default 2 layers), projector, a text
+    model (by default 4 layers, sliding-window layers of window 8)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(default_model_path()))
@@ -43,20 +50,16 @@ def save_tiny_gemma3_vision(path: Path, seed: int = 0, tokens_per_image: int = 1
     image_token = tok.convert_tokens_to_ids(GEMMA3_TOKENS["image_token"])
     vocab = len(tok)
     config = {
-        "model_type": "gemma3", "image_token_index": image_token, "vocab_size": vocab, "hidden_size": 64,
+        "model_type": "gemma3", "image_token_index": image_token, "vocab_size": vocab, "hidden_size": text["hidden_size"],
         # As Gemma's <pad>: a token no prompt holds (mlx-vlm zeroes its embedding in prompts with images).
         "pad_token_id": tok.convert_tokens_to_ids("<|endoftext|>"), "eos_token_id": [tok.eos_token_id],
-        "text_config": dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-                            num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=vocab,
-                            query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=2,
-                            mm_tokens_per_image=tokens_per_image),
-        "vision_config": dict(model_type="siglip_vision_model", hidden_size=32, num_hidden_layers=2,
-                              intermediate_size=64, num_attention_heads=2, patch_size=14, image_size=IMAGE_SIZE),
+        "text_config": dict(model_type="gemma3_text", vocab_size=vocab, mm_tokens_per_image=tokens_per_image, **text),
+        "vision_config": dict(model_type="siglip_vision_model", patch_size=14, image_size=image_size, **vision),
     }
     (path / "config.json").write_text(json.dumps(config))
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
-        "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE}, "do_resize": True, "resample": 2,
+        "size": {"height": image_size, "width": image_size}, "do_resize": True, "resample": 2,
         "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
         "do_pan_and_scan": False}))
@@ -65,6 +68,53 @@ def save_tiny_gemma3_vision(path: Path, seed: int = 0, tokens_per_image: int = 1
     module = importlib.import_module("mlx_vlm.models.gemma3")
     model = module.Model(module.ModelConfig.from_dict({**config, "text_config": module.TextConfig.from_dict(
         config["text_config"]), "vision_config": module.VisionConfig.from_dict(config["vision_config"])}))
+    mx.random.seed(seed)
+    model.update(tree_map(lambda w: mx.random.normal(w.shape) * 0.02 * scale
+                          if w.ndim >= 2 and mx.issubdtype(w.dtype, mx.floating) else w, model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return path
+
+
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_TEMPLATE = CHAT_TEMPLATE.replace("<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def save_tiny_qwen2_5_vision(path: Path, seed: int = 0) -> Path:
+    """A Qwen2.5-VL checkpoint: its windowed vision tower (2 blocks), patch merger, and a
+    2-layer text model whose attention takes M-RoPE positions (sections 2/3/3)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
+    tok.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    tok.chat_template = QWEN_TEMPLATE
+    tok.save_pretrained(str(path))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_TOKENS}
+    config = {
+        "model_type": "qwen2_5_vl", "vocab_size": len(tok), "hidden_size": 64, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_token_id": ids["<|vision_pad|>"], "eos_token_id": [tok.eos_token_id], "bos_token_id": None,
+        "vision_config": {"model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                          "out_hidden_size": 64, "num_heads": 2, "patch_size": 14, "spatial_patch_size": 14,
+                          "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                          "fullatt_block_indexes": [1], "in_channels": 3},
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    image = {"min_pixels": 112 * 112, "max_pixels": 112 * 168, "patch_size": 14, "temporal_patch_size": 2,
+             "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+             "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}
+    (path / "preprocessor_config.json").write_text(json.dumps(image))
+    (path / "video_preprocessor_config.json").write_text(json.dumps({k: v for k, v in image.items()
+                                                                      if k not in ("min_pixels", "max_pixels")}))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    module = importlib.import_module("mlx_vlm.models.qwen2_5_vl")
+    model_config = module.ModelConfig.from_dict(dict(config))
+    model_config.text_config = module.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
+    model = module.Model(model_config)
     mx.random.seed(seed)
     model.update(tree_map(lambda w: mx.random.normal(w.shape) * 0.02 * WEIGHT_SCALE
                           if w.ndim >= 2 and mx.issubdtype(w.dtype, mx.floating) else w, model.parameters()))

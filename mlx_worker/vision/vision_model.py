@@ -8,14 +8,16 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from .image_inputs import ImageInputs
 from .prompt import vision_prompt
 
-# The vision families whose language model takes the engine's per-row positions as they
-# are (one RoPE position per token). Qwen-VL's M-RoPE positions come with the images.
-FAMILIES = ("gemma3",)
+# The vision families served: their language models take the engine's per-row positions
+# as they are (one RoPE position a token), or M-RoPE positions (Qwen-VL: three a token,
+# from the images' grids) that `position_ids` makes per row, never kept in module state.
+FAMILIES = ("gemma3", "qwen2_5_vl")
 
 
 def is_vision_checkpoint(path: str) -> bool:
@@ -34,6 +36,7 @@ class VisionLanguageModel(nn.Module):
         self._processor = processor  # underscored: not a module
         config = vlm.config
         self.image_token_id = getattr(config, "image_token_index", None) or getattr(config, "image_token_id")
+        self.mrope = hasattr(vlm.language_model, "get_rope_index")
 
     @property
     def language_model(self) -> nn.Module:
@@ -43,15 +46,57 @@ class VisionLanguageModel(nn.Module):
     def processor(self):
         return self._processor
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None) -> mx.array:
-        return self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache).logits
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None,
+                 position_ids: Optional[mx.array] = None) -> mx.array:
+        if not self.mrope:
+            return self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache).logits
+        lm = self.language_model
+        out = self.body(inputs, cache, input_embeddings, position_ids)
+        tied = getattr(getattr(lm, "args", None), "tie_word_embeddings", "lm_head" not in lm)
+        return lm.model.embed_tokens.as_linear(out) if tied else lm.lm_head(out)
 
-    def body(self, inputs: mx.array, cache, input_embeddings: mx.array) -> mx.array:
+    def body(self, inputs: mx.array, cache, input_embeddings: Optional[mx.array] = None,
+             position_ids: Optional[mx.array] = None) -> mx.array:
         """The final hidden states (the engine applies the head where it samples)."""
-        return self.language_model.model(inputs, inputs_embeds=input_embeddings, cache=cache)
+        if not self.mrope:
+            return self.language_model.model(inputs, inputs_embeds=input_embeddings, cache=cache)
+        if position_ids is None:  # rows without images (the engine's probes): plain positions
+            position_ids = mx.array(plain_positions(cache, *inputs.shape))
+        return self.language_model.model(inputs, inputs_embeds=input_embeddings, cache=cache,
+                                         position_ids=position_ids)
+
+    def forward_kwargs(self, seqs, offsets, L: int, embeds: Optional[mx.array]) -> dict:
+        """What a forward of these rows passes besides token ids: the rows' input embeddings
+        where they show images, and (M-RoPE) every row's positions."""
+        kw = {} if embeds is None else {"input_embeddings": embeds}
+        if self.mrope:
+            kw["position_ids"] = mx.array(np.stack([self._positions(s, o, L) for s, o in zip(seqs, offsets)], 1))
+        return kw
+
+    def _positions(self, seq, start: int, L: int) -> np.ndarray:
+        """(3, L): M-RoPE positions of seq's tokens start .. start + L - 1. A prompt's come
+        from mlx-vlm's `get_rope_index` over its images' grids (computed once a request);
+        a token after the prompt is at its index plus the prompt's delta."""
+        if seq.mrope is None:
+            seq.mrope = (None, 0)
+            if seq.images is not None:
+                grid = seq.images.arrays.get("image_grid_thw")
+                pos, delta = self.language_model.get_rope_index(
+                    mx.array([seq.tokens[: seq.num_prompt]]), None if grid is None else mx.array(grid), None, None)
+                seq.mrope = (np.array(pos[:, 0, :]), int(np.array(delta).reshape(-1)[0]))
+        table, delta = seq.mrope
+        index = np.arange(start, start + L)
+        out = np.broadcast_to(index + delta, (3, L)).copy()
+        if table is not None:
+            inside = index < table.shape[1]
+            out[:, inside] = table[:, index[inside]]
+        return out
 
     def make_cache(self) -> list:
-        return [_as_mlx_lm(c) for c in self.language_model.make_cache()]
+        lm = self.language_model
+        if not hasattr(lm, "make_cache"):  # as mlx-lm's make_prompt_cache: one KVCache a layer
+            return [mlx_cache.KVCache() for _ in lm.layers]
+        return [_as_mlx_lm(c) for c in lm.make_cache()]
 
     def prompt(self, text: str, images: List) -> Tuple[List[int], ImageInputs]:
         """(prompt ids, image inputs) of a rendered chat prompt and its decoded images."""
@@ -65,6 +110,13 @@ class VisionLanguageModel(nn.Module):
         out = self.vlm.get_input_embeddings(ids, arrays.pop("pixel_values"), mask=mx.ones(ids.shape, mx.int32),
                                             **arrays)
         return out.inputs_embeds[0]
+
+
+def plain_positions(cache, B: int, L: int) -> np.ndarray:
+    """(3, B, L): each row's positions from its cache offset, the same on all three axes."""
+    offset = getattr(cache[0], "offset", 0) if cache else 0
+    offsets = np.array(offset).reshape(-1) if isinstance(offset, mx.array) else np.full(B, offset)
+    return np.broadcast_to(offsets[None, :, None] + np.arange(L)[None, None], (3, B, L)).copy()
 
 
 def _as_mlx_lm(c):
