@@ -1,5 +1,6 @@
-"""`deploy/app.yaml` with `model:` a vision checkpoint (a tiny random Gemma 3 of mlx-vlm's
-classes), started by `serve run` as a user starts it: a screenshot sent from the openai
+"""`deploy/app.yaml`'s args with `model:` a vision checkpoint (a tiny random Gemma 3 of
+mlx-vlm's classes), on the local cluster the served tests share (`serve run` of the same
+file is test_serve_run's; a cluster of its own costs 30 s): a screenshot sent from the openai
 and anthropic SDKs gets mlx-vlm's own answer, the second turn about it comes back from
 the prefix cache (cached_tokens, streamed usage too), and bad images get a 400 in each
 API's own error shape, before any event of a stream, losing nothing else."""
@@ -15,7 +16,7 @@ import openai
 import pytest
 import yaml
 from PIL import Image
-from serve_fixtures import free_port, serve_run
+from serve_fixtures import run_app, serving
 from tiny_vision import save_tiny_gemma3_vision
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,16 +36,12 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def deployed(checkpoint, tmp_path_factory):
-    cfg = yaml.safe_load((ROOT / "deploy" / "app.yaml").read_text())
-    cfg["applications"][0]["args"]["model"] = str(checkpoint)
-    port = free_port()
-    cfg["http_options"] = {**cfg["http_options"], "host": "127.0.0.1", "port": port}
-    path = tmp_path_factory.mktemp("deploy") / "app.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    with serve_run(path, port, ROOT) as base:
-        httpx.get(f"{base}/v1/stats", timeout=60)
-        yield base
+def deployed(checkpoint):
+    args = yaml.safe_load((ROOT / "deploy" / "app.yaml").read_text())["applications"][0]["args"]
+    with serving() as base:
+        run_app(base, "vision", "/vision", **{**args, "model": str(checkpoint)})
+        httpx.get(f"{base}/vision/v1/stats", timeout=60)
+        yield f"{base}/vision"
 
 
 @pytest.fixture(scope="module")
