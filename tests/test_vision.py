@@ -144,3 +144,20 @@ def test_a_text_model_refuses_images():
             run(eng, [req])
     finally:
         eng.shutdown()
+
+
+def test_an_image_sent_again_past_another_prefix_is_not_encoded_again(checkpoint, reference):
+    """The prefix differs before the image (no page hit on it): its features come from
+    the image cache, and the tokens are still mlx-vlm's."""
+    eng = Engine(EngineConfig(model=checkpoint, max_total_tokens=4096))
+    try:
+        first = [user("First words.", None, "What is it?")]
+        (toks, _), = run(eng, [request(eng, "a", first, [picture(7)])])
+        assert toks == reference(first, [picture(7)])
+        second = [user("Other words before them this time, long enough to fill a page:", None, "and", None, "?")]
+        (toks, last), = run(eng, [request(eng, "b", second, [picture(8), picture(7)])])
+        assert toks == reference(second, [picture(8), picture(7)])
+        assert last.num_cached_tokens == 0
+        assert eng.stats()["images"]["images_encoded"] == 2 and eng.stats()["images"]["image_hits"] == 1
+    finally:
+        eng.shutdown()

@@ -11,6 +11,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
+from .image_cache import ImageCache
+from .image_features import image_features
 from .image_inputs import ImageInputs
 from .prompt import vision_prompt
 
@@ -30,10 +32,12 @@ class VisionLanguageModel(nn.Module):
     cache)` gives logits, `make_cache()` mlx-lm's cache kinds, and `language_model` the
     text model whose body and head the engine splits."""
 
-    def __init__(self, vlm: nn.Module, processor):
+    def __init__(self, vlm: nn.Module, processor, image_cache_bytes: int = 256 << 20):
         super().__init__()
         self.vlm = vlm
         self._processor = processor  # underscored: not a module
+        self._features = image_features(vlm.config.model_type)
+        self._cache = ImageCache(image_cache_bytes)
         config = vlm.config
         self.image_token_id = getattr(config, "image_token_index", None) or getattr(config, "image_token_id")
         self.mrope = hasattr(vlm.language_model, "get_rope_index")
@@ -107,9 +111,21 @@ class VisionLanguageModel(nn.Module):
         tokens' places, as mlx-vlm's generation computes them (still lazy)."""
         arrays = {k: mx.array(v) for k, v in images.arrays.items()}
         ids = mx.array([prompt_ids])
+        cached = {}
+        if self._features is not None:  # images encoded before are not encoded again
+            features = self._cache.get(images.hashes)
+            missing = [i for i, f in enumerate(features) if f is None]
+            if missing:
+                for i, f in zip(missing, self._features.encode(self.vlm, arrays, missing)):
+                    features[i] = f
+                    self._cache.put(images.hashes[i], f)
+            cached["cached_image_features"] = self._features.join(features)
         out = self.vlm.get_input_embeddings(ids, arrays.pop("pixel_values"), mask=mx.ones(ids.shape, mx.int32),
-                                            **arrays)
+                                            **arrays, **cached)
         return out.inputs_embeds[0]
+
+    def stats(self) -> dict:
+        return self._cache.stats()
 
 
 def plain_positions(cache, B: int, L: int) -> np.ndarray:
