@@ -120,3 +120,45 @@ def save_tiny_qwen2_5_vision(path: Path, seed: int = 0) -> Path:
                           if w.ndim >= 2 and mx.issubdtype(w.dtype, mx.floating) else w, model.parameters()))
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return path
+
+
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+
+
+def save_tiny_idefics3_vision(path: Path, seed: int = 0, model_type: str = "idefics3") -> Path:
+    """An Idefics3 (SmolVLM's layout) checkpoint: SigLIP-like tower (2 layers, 112 px, 64
+    patches), pixel-shuffle connector (scale 2: 16 image tokens), a 2-layer llama."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
+    tok.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
+    tok.chat_template = CHAT_TEMPLATE.replace("<start_of_image>", "<image>")
+    tok.save_pretrained(str(path))
+    vocab = len(tok)
+    config = {
+        "model_type": model_type, "image_token_id": tok.convert_tokens_to_ids("<image>"), "vocab_size": vocab,
+        "scale_factor": 2, "eos_token_id": [tok.eos_token_id],
+        "text_config": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
+                            rope_theta=10000.0),
+        "vision_config": dict(model_type="idefics3_vision", hidden_size=32, num_hidden_layers=2,
+                              intermediate_size=64, num_attention_heads=2, patch_size=14, image_size=112),
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Idefics3ImageProcessor", "processor_class": "Idefics3Processor",
+        "do_image_splitting": False, "size": {"longest_edge": 112}, "max_image_size": {"longest_edge": 112},
+        "do_resize": True, "resample": 1, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pad": True, "do_convert_rgb": True}))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Idefics3Processor",
+                                                             "image_seq_len": 16}))
+    module = importlib.import_module(f"mlx_vlm.models.{model_type}")
+    model_config = module.ModelConfig.from_dict(dict(config))
+    model_config.text_config = module.TextConfig.from_dict(config["text_config"])
+    model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
+    model = module.Model(model_config)
+    mx.random.seed(seed)
+    model.update(tree_map(lambda w: mx.random.normal(w.shape) * 0.02 * WEIGHT_SCALE
+                          if w.ndim >= 2 and mx.issubdtype(w.dtype, mx.floating) else w, model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return path
