@@ -27,6 +27,21 @@ CHAT_TEMPLATE = (
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
 
 
+def write_random_weights(path: Path, config: dict, seed: int = 0, scale: float = WEIGHT_SCALE) -> Path:
+    """mlx-vlm's own model class of `config` (its text config at the root, as Qwen's, or
+    under text_config) with random weights, saved as the checkpoint's."""
+    module = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
+    model_config = module.ModelConfig.from_dict(dict(config))
+    model_config.text_config = module.TextConfig.from_dict(config.get("text_config", model_config.text_config))
+    model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
+    model = module.Model(model_config)
+    mx.random.seed(seed)
+    model.update(tree_map(lambda w: mx.random.normal(w.shape) * 0.02 * scale
+                          if w.ndim >= 2 and mx.issubdtype(w.dtype, mx.floating) else w, model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return path
+
+
 TINY_TEXT = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                  sliding_window_pattern=2)
@@ -65,14 +80,7 @@ def save_tiny_gemma3_vision(path: Path, seed: int = 0, tokens_per_image: int = 1
         "do_pan_and_scan": False}))
     (path / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor",
                                                              "image_seq_length": tokens_per_image}))
-    module = importlib.import_module("mlx_vlm.models.gemma3")
-    model = module.Model(module.ModelConfig.from_dict({**config, "text_config": module.TextConfig.from_dict(
-        config["text_config"]), "vision_config": module.VisionConfig.from_dict(config["vision_config"])}))
-    mx.random.seed(seed)
-    model.update(tree_map(lambda w: mx.random.normal(w.shape) * 0.02 * scale
-                          if w.ndim >= 2 and mx.issubdtype(w.dtype, mx.floating) else w, model.parameters()))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    return path
+    return write_random_weights(path, config, seed, scale)
 
 
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
@@ -110,16 +118,7 @@ def save_tiny_qwen2_5_vision(path: Path, seed: int = 0) -> Path:
     (path / "video_preprocessor_config.json").write_text(json.dumps({k: v for k, v in image.items()
                                                                       if k not in ("min_pixels", "max_pixels")}))
     (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
-    module = importlib.import_module("mlx_vlm.models.qwen2_5_vl")
-    model_config = module.ModelConfig.from_dict(dict(config))
-    model_config.text_config = module.TextConfig.from_dict(model_config.text_config)
-    model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
-    model = module.Model(model_config)
-    mx.random.seed(seed)
-    model.update(tree_map(lambda w: mx.random.normal(w.shape) * 0.02 * WEIGHT_SCALE
-                          if w.ndim >= 2 and mx.issubdtype(w.dtype, mx.floating) else w, model.parameters()))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    return path
+    return write_random_weights(path, config, seed)
 
 
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
@@ -152,13 +151,4 @@ def save_tiny_idefics3_vision(path: Path, seed: int = 0, model_type: str = "idef
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pad": True, "do_convert_rgb": True}))
     (path / "processor_config.json").write_text(json.dumps({"processor_class": "Idefics3Processor",
                                                              "image_seq_len": 16}))
-    module = importlib.import_module(f"mlx_vlm.models.{model_type}")
-    model_config = module.ModelConfig.from_dict(dict(config))
-    model_config.text_config = module.TextConfig.from_dict(config["text_config"])
-    model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
-    model = module.Model(model_config)
-    mx.random.seed(seed)
-    model.update(tree_map(lambda w: mx.random.normal(w.shape) * 0.02 * WEIGHT_SCALE
-                          if w.ndim >= 2 and mx.issubdtype(w.dtype, mx.floating) else w, model.parameters()))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    return path
+    return write_random_weights(path, config, seed)
