@@ -135,7 +135,7 @@ class Engine:
         params.check_vocab(self.vocab_size)
         if request.adapter is not None and (self.adapters is None or request.adapter not in self.adapters):
             raise ValueError(f"adapter {request.adapter!r} is not served by this engine")
-        if request.images is not None and not hasattr(self.model, "prompt_embeddings"):
+        if request.images is not None and not self.worker.vision:
             raise ValueError("this model reads no images: serve a vision-language model for them")
         if params.embedding and self.worker.split is None:
             raise ValueError("this model's body and output head cannot be told apart: it serves no embeddings")

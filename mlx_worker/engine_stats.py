@@ -78,7 +78,7 @@ class EngineStats:
             "peak_memory_bytes": mx.get_peak_memory(),
             "adapters": engine.adapters.stats() if engine.adapters else None,  # resident LoRA adapters
             "speculative": engine.speculator.stats() if engine.speculator else None,  # drafts verified, accepted
-            "images": engine.model.stats() if hasattr(engine.model, "prompt_embeddings") else None,  # image cache
+            "images": engine.model.stats() if engine.worker.vision else None,  # the image cache
             **self.memory,
         }
 

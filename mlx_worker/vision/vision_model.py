@@ -22,8 +22,18 @@ from .prompt import vision_prompt
 FAMILIES = ("gemma3", "qwen2_5_vl", "idefics3")
 
 
-def is_vision_checkpoint(path: str) -> bool:
-    config = Path(path) / "config.json"
+def is_vision_checkpoint(spec: str) -> bool:
+    """Whether a local directory or a Hugging Face id (its config.json fetched, before the
+    weights) is a vision-language checkpoint."""
+    path = Path(spec)
+    if not path.exists():
+        from huggingface_hub import hf_hub_download
+
+        try:
+            path = Path(hf_hub_download(spec, "config.json")).parent
+        except Exception:  # noqa: BLE001 - not a repo, or offline: mlx-lm's load says why
+            return False
+    config = path / "config.json"
     return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
@@ -38,8 +48,6 @@ class VisionLanguageModel(nn.Module):
         self._processor = processor  # underscored: not a module
         self._features = image_features(vlm.config.model_type)
         self._cache = ImageCache(image_cache_bytes)
-        config = vlm.config
-        self.image_token_id = getattr(config, "image_token_index", None) or getattr(config, "image_token_id")
         self.mrope = hasattr(vlm.language_model, "get_rope_index")
 
     @property

@@ -25,15 +25,17 @@ def decode_images(sources: List[str], args: ImageArgs) -> List[Image.Image]:
     """The request's images, in order, decoded to RGB."""
     if len(sources) > args.max_images:
         raise ImageError(f"the request has {len(sources)} images; at most {args.max_images} are accepted")
-    budget = [args.max_bytes]
-    return [decode_image(s, args, budget) for s in sources]
+    images, room = [], args.max_bytes
+    for source in sources:
+        data = image_bytes(source, args, room)
+        room -= len(data)
+        if room < 0:
+            raise ImageError(f"the request's images are more than {args.max_bytes} bytes")
+        images.append(decode_image(data, args))
+    return images
 
 
-def decode_image(source: str, args: ImageArgs, budget: List[int]) -> Image.Image:
-    data = image_bytes(source, args, budget[0])
-    budget[0] -= len(data)
-    if budget[0] < 0:
-        raise ImageError(f"the request's images are more than {args.max_bytes} bytes")
+def decode_image(data: bytes, args: ImageArgs) -> Image.Image:
     try:
         with Image.open(io.BytesIO(data)) as probe:  # reads the header only
             w, h = probe.size
