@@ -1,5 +1,7 @@
-"""`deploy/app.yaml` with `speculative: {method: ngram}` added to its engine section, as a
-user turns it on (`serve run`, the real openai and anthropic clients): a request to
+"""`deploy/app.yaml`'s args with `speculative: {method: ngram}` added to its engine section,
+as a user turns it on, on the local cluster the served tests share (`serve run` of the file
+is test_serve_run's; a cluster of its own costs 30 s), with the real openai and anthropic
+clients: a request to
 rewrite a file gets, greedy and seeded, the answer of the engine without speculation,
 on the completions, chat (streamed or not) and Anthropic endpoints; and drafts were
 verified and accepted on the way."""
@@ -12,7 +14,7 @@ import httpx
 import pytest
 import yaml
 from openai import OpenAI
-from serve_fixtures import free_port, serve_run
+from serve_fixtures import run_app, serving
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 from mlx_worker.models.loader import load_model
@@ -25,16 +27,13 @@ MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def deployed(tmp_path_factory):
-    cfg = yaml.safe_load((ROOT / "deploy" / "app.yaml").read_text())
-    cfg["applications"][0]["args"]["engine"]["speculative"] = {"method": "ngram"}
-    port = free_port()
-    cfg["http_options"] = {**cfg["http_options"], "host": "127.0.0.1", "port": port}
-    path = tmp_path_factory.mktemp("deploy") / "app.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    with serve_run(path, port, ROOT) as base:
-        httpx.get(f"{base}/v1/stats", timeout=60)
-        yield base
+def deployed():
+    args = yaml.safe_load((ROOT / "deploy" / "app.yaml").read_text())["applications"][0]["args"]
+    args["engine"]["speculative"] = {"method": "ngram"}
+    with serving() as base:
+        run_app(base, "speculative", "/speculative", **args)
+        httpx.get(f"{base}/speculative/v1/stats", timeout=60)
+        yield f"{base}/speculative"
 
 
 @pytest.fixture(scope="module")

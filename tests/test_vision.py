@@ -1,5 +1,6 @@
 """Images in prompts: a vision-language checkpoint (mlx-vlm's classes: a tiny random
-Gemma 3, a Qwen2.5-VL, whose M-RoPE positions the engine makes per row, and an Idefics3)
+Gemma 3, a Qwen2.5-VL, whose M-RoPE positions the engine makes per row, an Idefics3 and a
+SmolVLM)
 served by the engine gives mlx-vlm's own greedy tokens, alone and batched with text and
 other images, with prefill chunks across the image tokens and prefix hits, and a page
 that shows an image matches only a page that shows the same image."""
@@ -20,10 +21,11 @@ from mlx_worker.vision.image_inputs import image_spans
 N = 10
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "idefics3"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "idefics3", "smolvlm"])
 def checkpoint(request, tmp_path_factory):
     save = {"gemma3": save_tiny_gemma3_vision, "qwen2_5_vl": save_tiny_qwen2_5_vision,
-            "idefics3": save_tiny_idefics3_vision}[request.param]
+            "idefics3": save_tiny_idefics3_vision,
+            "smolvlm": lambda path: save_tiny_idefics3_vision(path, model_type="smolvlm")}[request.param]
     return str(save(tmp_path_factory.mktemp(request.param)))
 
 

@@ -125,8 +125,10 @@ IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>",
 
 
 def save_tiny_idefics3_vision(path: Path, seed: int = 0, model_type: str = "idefics3") -> Path:
-    """An Idefics3 (SmolVLM's layout) checkpoint: SigLIP-like tower (2 layers, 112 px, 64
-    patches), pixel-shuffle connector (scale 2: 16 image tokens), a 2-layer llama."""
+    """An Idefics3 checkpoint (or `smolvlm`: the same layout, SmolVLM's processor):
+    SigLIP-like tower (2 layers, 112 px, 64 patches), pixel-shuffle connector (scale 2: 16
+    image tokens), a 2-layer llama."""
+    processor = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[model_type]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(default_model_path()))
@@ -145,10 +147,10 @@ def save_tiny_idefics3_vision(path: Path, seed: int = 0, model_type: str = "idef
     }
     (path / "config.json").write_text(json.dumps(config))
     (path / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Idefics3ImageProcessor", "processor_class": "Idefics3Processor",
+        "image_processor_type": f"{processor}ImageProcessor", "processor_class": f"{processor}Processor",
         "do_image_splitting": False, "size": {"longest_edge": 112}, "max_image_size": {"longest_edge": 112},
         "do_resize": True, "resample": 1, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pad": True, "do_convert_rgb": True}))
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Idefics3Processor",
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": f"{processor}Processor",
                                                              "image_seq_len": 16}))
     return write_random_weights(path, config, seed)
