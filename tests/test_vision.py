@@ -1,6 +1,6 @@
 """Images in prompts: a vision-language checkpoint (mlx-vlm's classes: a tiny random
-Gemma 3, a Qwen2.5-VL, whose M-RoPE positions the engine makes per row, an Idefics3 and a
-SmolVLM)
+Gemma 3, a Qwen2.5-VL, whose M-RoPE positions the engine makes per row, an Idefics3, a
+SmolVLM and a Mistral 3 with its Pixtral tower)
 served by the engine gives mlx-vlm's own greedy tokens, alone and batched with text and
 other images, with prefill chunks across the image tokens and prefix hits, and a page
 that shows an image matches only a page that shows the same image."""
@@ -12,7 +12,8 @@ import pytest
 from conftest import collect
 from PIL import Image
 from tiny_models import make_tiny_model
-from tiny_vision import save_tiny_gemma3_vision, save_tiny_idefics3_vision, save_tiny_qwen2_5_vision
+from tiny_vision import (save_tiny_gemma3_vision, save_tiny_idefics3_vision, save_tiny_mistral3_vision,
+                         save_tiny_qwen2_5_vision)
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 from mlx_worker.memory.paging import page_hashes
@@ -21,11 +22,12 @@ from mlx_worker.vision.image_inputs import image_spans
 N = 10
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "idefics3", "smolvlm"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "idefics3", "smolvlm", "mistral3"])
 def checkpoint(request, tmp_path_factory):
     save = {"gemma3": save_tiny_gemma3_vision, "qwen2_5_vl": save_tiny_qwen2_5_vision,
             "idefics3": save_tiny_idefics3_vision,
-            "smolvlm": lambda path: save_tiny_idefics3_vision(path, model_type="smolvlm")}[request.param]
+            "smolvlm": lambda path: save_tiny_idefics3_vision(path, model_type="smolvlm"),
+            "mistral3": save_tiny_mistral3_vision}[request.param]
     return str(save(tmp_path_factory.mktemp(request.param)))
 
 

@@ -154,3 +154,37 @@ def save_tiny_idefics3_vision(path: Path, seed: int = 0, model_type: str = "idef
     (path / "processor_config.json").write_text(json.dumps({"processor_class": f"{processor}Processor",
                                                              "image_seq_len": 16}))
     return write_random_weights(path, config, seed)
+
+
+MISTRAL3_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+
+def save_tiny_mistral3_vision(path: Path, seed: int = 0) -> Path:
+    """A Mistral Small 3 checkpoint: Pixtral tower (2 layers, 14 px patches, 2-D RoPE),
+    patch merger (2 x 2), a 2-layer Mistral text model; an image of up to 112 px is rows
+    of [IMG] tokens ended by [IMG_BREAK], the last by [IMG_END]."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
+    tok.add_special_tokens({"additional_special_tokens": MISTRAL3_TOKENS})
+    tok.chat_template = CHAT_TEMPLATE.replace("<start_of_image>", "[IMG]")
+    tok.save_pretrained(str(path))
+    vocab = len(tok)
+    config = {
+        "model_type": "mistral3", "image_token_index": tok.convert_tokens_to_ids("[IMG]"), "vocab_size": vocab,
+        "spatial_merge_size": 2, "eos_token_id": [tok.eos_token_id],
+        "text_config": dict(model_type="mistral", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                            vocab_size=vocab, rope_theta=1e6, max_position_embeddings=4096),
+        "vision_config": dict(model_type="pixtral", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                              num_attention_heads=2, head_dim=16, patch_size=14, image_size=112),
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "PixtralImageProcessor", "processor_class": "Mistral3Processor",
+        "patch_size": {"height": 14, "width": 14}, "size": {"longest_edge": 112}, "do_resize": True,
+        "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Mistral3Processor",
+                                                             "spatial_merge_size": 2, "patch_size": 14}))
+    return write_random_weights(path, config, seed)

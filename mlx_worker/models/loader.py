@@ -47,8 +47,16 @@ def load_model(spec: Optional[str] = None, dtype: str = "auto") -> Tuple[nn.Modu
     else:
         model, tokenizer = mlx_load(path)
     model = apply_dtype(model, dtype)
-    mx.eval(model.parameters())
+    mx.eval(model.parameters(), helper_arrays(model))
     return model, tokenizer
+
+
+def helper_arrays(model: nn.Module) -> list:
+    """Arrays a model keeps on plain helper objects, outside its parameters (Pixtral's
+    rotary table): built lazily on the loading thread's stream, they must be evaluated
+    there, as MLX refuses to run another thread's stream on the engine thread."""
+    return [a for m in model.modules() for o in vars(m).values() if hasattr(o, "__dict__")
+            and not isinstance(o, nn.Module) for a in vars(o).values() if isinstance(a, mx.array)]
 
 
 def load_sharded(spec: Optional[str], dtype: str, group: mx.distributed.Group,
