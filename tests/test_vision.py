@@ -1,6 +1,7 @@
 """Images in prompts: a vision-language checkpoint (mlx-vlm's classes: a tiny random
-Gemma 3, a Qwen2.5-VL, whose M-RoPE positions the engine makes per row, an Idefics3, a
-SmolVLM and a Mistral 3 with its Pixtral tower)
+Gemma 3, a Qwen2.5-VL, whose M-RoPE positions the engine makes per row, a Qwen3-VL, whose
+first layers add image features too (deepstack), an Idefics3, a SmolVLM and a Mistral 3
+with its Pixtral tower)
 served by the engine gives mlx-vlm's own greedy tokens, alone and batched with text and
 other images, with prefill chunks across the image tokens and prefix hits, and a page
 that shows an image matches only a page that shows the same image."""
@@ -13,7 +14,7 @@ from conftest import collect
 from PIL import Image
 from tiny_models import make_tiny_model
 from tiny_vision import (save_tiny_gemma3_vision, save_tiny_idefics3_vision, save_tiny_mistral3_vision,
-                         save_tiny_qwen2_5_vision)
+                         save_tiny_qwen2_5_vision, save_tiny_qwen3_vision)
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 from mlx_worker.memory.paging import page_hashes
@@ -22,12 +23,13 @@ from mlx_worker.vision.image_inputs import image_spans
 N = 10
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "idefics3", "smolvlm", "mistral3"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm",
+                                                "mistral3"])
 def checkpoint(request, tmp_path_factory):
     save = {"gemma3": save_tiny_gemma3_vision, "qwen2_5_vl": save_tiny_qwen2_5_vision,
             "idefics3": save_tiny_idefics3_vision,
             "smolvlm": lambda path: save_tiny_idefics3_vision(path, model_type="smolvlm"),
-            "mistral3": save_tiny_mistral3_vision}[request.param]
+            "mistral3": save_tiny_mistral3_vision, "qwen3_vl": save_tiny_qwen3_vision}[request.param]
     return str(save(tmp_path_factory.mktemp(request.param)))
 
 
@@ -160,7 +162,8 @@ def test_an_image_sent_again_past_another_prefix_is_not_encoded_again(checkpoint
     from mlx_worker.vision.image_features import image_features
 
     if image_features(json.loads((Path(checkpoint) / "config.json").read_text())["model_type"]) is None:
-        pytest.skip("no image cache for this family yet (Idefics3: an image's crops are not told apart)")
+        pytest.skip("no image cache for this family yet (Idefics3, SmolVLM: an image's crops are not told "
+                    "apart; Qwen3-VL: mlx-vlm's cached features drop the deepstack ones)")
     eng = Engine(EngineConfig(model=checkpoint, max_total_tokens=4096))
     try:
         first = [user("First words.", None, "What is it?")]

@@ -188,3 +188,42 @@ def save_tiny_mistral3_vision(path: Path, seed: int = 0) -> Path:
     (path / "processor_config.json").write_text(json.dumps({"processor_class": "Mistral3Processor",
                                                              "spatial_merge_size": 2, "patch_size": 14}))
     return write_random_weights(path, config, seed)
+
+
+def save_tiny_qwen3_vision(path: Path, seed: int = 0) -> Path:
+    """A Qwen3-VL checkpoint: its vision tower (2 blocks, 16 px patches, learned position
+    embeddings) whose first block's merged patches also go into the text model's first
+    layer (deepstack), and a 2-layer text model with M-RoPE (sections 2/3/3, interleaved)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
+    tok.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    tok.chat_template = QWEN_TEMPLATE
+    tok.save_pretrained(str(path))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_TOKENS}
+    config = {
+        "model_type": "qwen3_vl", "vocab_size": len(tok), "tie_word_embeddings": False,
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_token_id": ids["<|vision_pad|>"], "eos_token_id": [tok.eos_token_id],
+        "text_config": {"model_type": "qwen3_vl_text", "vocab_size": len(tok), "hidden_size": 64,
+                        "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 5e6,
+                        "max_position_embeddings": 4096, "tie_word_embeddings": False,
+                        "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                                         "mrope_interleaved": True}},
+        "vision_config": {"model_type": "qwen3_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                          "out_hidden_size": 64, "num_heads": 2, "patch_size": 16, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "num_position_embeddings": 64, "in_channels": 3,
+                          "deepstack_visual_indexes": [0]},
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    image = {"min_pixels": 128 * 128, "max_pixels": 128 * 192, "patch_size": 16, "temporal_patch_size": 2,
+             "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+             "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor"}
+    (path / "preprocessor_config.json").write_text(json.dumps(image))
+    (path / "video_preprocessor_config.json").write_text(json.dumps({k: v for k, v in image.items()
+                                                                      if k not in ("min_pixels", "max_pixels")}))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
+    return write_random_weights(path, config, seed)
+

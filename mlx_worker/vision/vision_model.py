@@ -19,7 +19,7 @@ from .prompt import vision_prompt
 # The vision families served: their language models take the engine's per-row positions
 # as they are (one RoPE position a token), or M-RoPE positions (Qwen-VL: three a token,
 # from the images' grids) that `position_ids` makes per row, never kept in module state.
-FAMILIES = ("gemma3", "qwen2_5_vl", "idefics3", "smolvlm", "mistral3")
+FAMILIES = ("gemma3", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "mistral3")
 
 
 def is_vision_checkpoint(spec: str) -> bool:
@@ -49,6 +49,9 @@ class VisionLanguageModel(nn.Module):
         self._features = image_features(vlm.config.model_type)
         self._cache = ImageCache(image_cache_bytes)
         self.mrope = hasattr(vlm.language_model, "get_rope_index")
+        config = vlm.config
+        self._image_token_ids = [t for t in (getattr(config, "image_token_index", None),
+                                             getattr(config, "video_token_index", None)) if t is not None]
 
     @property
     def language_model(self) -> nn.Module:
@@ -59,28 +62,39 @@ class VisionLanguageModel(nn.Module):
         return self._processor
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None,
-                 position_ids: Optional[mx.array] = None) -> mx.array:
+                 position_ids: Optional[mx.array] = None, **deepstack) -> mx.array:
         if not self.mrope:
             return self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache).logits
         lm = self.language_model
-        out = self.body(inputs, cache, input_embeddings, position_ids)
+        out = self.body(inputs, cache, input_embeddings, position_ids, **deepstack)
         tied = getattr(getattr(lm, "args", None), "tie_word_embeddings", "lm_head" not in lm)
         return lm.model.embed_tokens.as_linear(out) if tied else lm.lm_head(out)
 
     def body(self, inputs: mx.array, cache, input_embeddings: Optional[mx.array] = None,
-             position_ids: Optional[mx.array] = None) -> mx.array:
+             position_ids: Optional[mx.array] = None, **deepstack) -> mx.array:
         """The final hidden states (the engine applies the head where it samples)."""
         if not self.mrope:
             return self.language_model.model(inputs, inputs_embeds=input_embeddings, cache=cache)
         if position_ids is None:  # rows without images (the engine's probes): plain positions
             position_ids = mx.array(plain_positions(cache, *inputs.shape))
         return self.language_model.model(inputs, inputs_embeds=input_embeddings, cache=cache,
-                                         position_ids=position_ids)
+                                         position_ids=position_ids, **deepstack)
 
     def forward_kwargs(self, seqs, offsets, L: int, embeds: Optional[mx.array]) -> dict:
         """What a forward of these rows passes besides token ids: the rows' input embeddings
-        where they show images, and (M-RoPE) every row's positions."""
-        kw = {} if embeds is None else {"input_embeddings": embeds}
+        where they show images (and, Qwen3-VL, the image features its first layers add:
+        deepstack), and (M-RoPE) every row's positions."""
+        kw = {}
+        if embeds is not None and embeds.ndim == 4:  # (B, L, 1 + deepstack layers, hidden)
+            B, _, K, H = embeds.shape
+            tokens = np.array([s.tokens[o : o + L] for s, o in zip(seqs, offsets)])
+            shown = np.isin(tokens, self._image_token_ids)
+            where = mx.array(np.flatnonzero(shown))
+            kw["visual_pos_masks"] = mx.array(shown)
+            kw["deepstack_visual_embeds"] = [embeds[:, :, k].reshape(B * L, H)[where] for k in range(1, K)]
+            embeds = embeds[:, :, 0]
+        if embeds is not None:
+            kw["input_embeddings"] = embeds
         if self.mrope:
             kw["position_ids"] = mx.array(np.stack([self._positions(s, o, L) for s, o in zip(seqs, offsets)], 1))
         return kw
@@ -130,7 +144,15 @@ class VisionLanguageModel(nn.Module):
             cached["cached_image_features"] = self._features.join(features)
         out = self.vlm.get_input_embeddings(ids, arrays.pop("pixel_values"), mask=mx.ones(ids.shape, mx.int32),
                                             **arrays, **cached)
-        return out.inputs_embeds[0]
+        deepstack = getattr(out, "deepstack_visual_embeds", None)
+        if deepstack is None:
+            return out.inputs_embeds[0]
+        # Deepstack: per layer, the features it adds at the image tokens, kept beside the
+        # embeddings as (tokens, 1 + layers, hidden), zero where no image is shown.
+        shown = mx.array(np.flatnonzero(np.array(out.visual_pos_masks[0])))
+        layers = mx.zeros((len(deepstack), len(prompt_ids), out.inputs_embeds.shape[-1]), out.inputs_embeds.dtype)
+        layers[:, shown] = mx.stack(list(deepstack)).astype(layers.dtype)
+        return mx.concatenate([out.inputs_embeds, layers]).transpose(1, 0, 2)
 
     def stats(self) -> dict:
         return self._cache.stats()
