@@ -21,6 +21,10 @@ class EngineConfig(StrictModel):
     """KV pool size in tokens; overrides kv_memory_fraction."""
     kv_memory_fraction: float = Field(0.25, gt=0, le=0.95)
     """Share of the machine's memory (beyond the weights) given to the KV pool."""
+    kv_bits: Optional[Literal[4, 8]] = None
+    """Store KV pages quantized to this many bits (attention reads them with MLX's quantized kernels): about 2x (8) or 3.5x (4) the tokens in the same memory on Metal; null: the model's dtype."""
+    kv_group_size: Literal[32, 64, 128] = 64
+    """With kv_bits: elements of a head's K or V sharing one scale and bias."""
     max_running_requests: int = Field(64, ge=1)
     """Requests in the batch at once; more wait in the engine's queue."""
     max_batched_tokens: int = Field(2048, ge=1)

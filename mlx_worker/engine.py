@@ -20,6 +20,7 @@ from .distributed.ranks import RankLost, Ranks
 from .engine_stats import EngineStats
 from .memory.activations import activation_budget
 from .memory.kv_pool import KVPool, kv_budget, kv_bytes_per_token, pool_pages
+from .memory.quantized_kv_pool import KVQuantization, QuantizedKVPool, quantized_bytes_per_token
 from .memory.model_caches import probe_caches
 from .memory.page_manager import PageManager
 from .memory.state_snapshots import StateSnapshots
@@ -76,11 +77,16 @@ class Engine:
         # Recurrent state: the running sequences' (twice: overlapped steps) and snapshots.
         snapshot_bytes = int(config.state_snapshot_fraction * budget) if tree.states else 0
         self.state_budget_bytes = 2 * config.max_running_requests * tree.state_bytes + snapshot_bytes
-        num_pages = pool_pages(kv_specs, tree.kv_dtype, config.page_size, weights, config.kv_memory_fraction,
+        quantization = KVQuantization(config.kv_bits, config.kv_group_size) if config.kv_bits else None
+        self.kv_bytes_per_token = kv_bytes_per_token(kv_specs, tree.kv_dtype) if quantization is None else \
+            quantized_bytes_per_token(tree.kv, tree.kv_dtype, quantization) + kv_bytes_per_token(
+                kv_specs[len(tree.kv):], tree.kv_dtype)  # a drafter's pages stay full precision
+        num_pages = pool_pages(self.kv_bytes_per_token, config.page_size, weights, config.kv_memory_fraction,
                                config.max_total_tokens, reserved_bytes=self.state_budget_bytes)
         if ranks:  # every rank schedules alike only with the same pool
             num_pages = ranks.min(num_pages)
-        self.pool = KVPool(tree.kv, tree.kv_dtype, num_pages, config.page_size)
+        self.pool = KVPool(tree.kv, tree.kv_dtype, num_pages, config.page_size) if quantization is None else \
+            QuantizedKVPool(tree.kv, tree.kv_dtype, num_pages, config.page_size, quantization)
         self.pages = PageManager(num_pages, config.page_size)
         self.snapshots = StateSnapshots(tree.state_bytes, snapshot_bytes) if tree.states else None
         self.batching = probe_batching(model, tree) if config.batching == "auto" else config.batching
@@ -94,11 +100,12 @@ class Engine:
                                    self.snapshots, self.budget, self.speculator)
         self.activation_bytes = activation_budget(model, config.max_batched_tokens, config.max_running_requests,
                                                   self.vocab_size)
-        # The decode batch's copies from the pool run before a step, never beside one: its activation budget.
-        self.worker = Worker(model, self.pool, tree, self.vocab_size, sorted(eos),
-                             int(config.decode_staging_fraction * budget), self.snapshots, self.batching,
+        # The decode batch's copies from the pool run before a step, never beside one: its activation
+        # budget. Staging copies full-precision KV; quantized pages are read in place.
+        staging_bytes = 0 if quantization else int(config.decode_staging_fraction * budget)
+        self.worker = Worker(model, self.pool, tree, self.vocab_size, sorted(eos), staging_bytes, self.snapshots,
+                             self.batching,
                              scratch_bytes=self.activation_bytes, adapters=self.adapters, draft=drafter_model)
-        self.kv_bytes_per_token = kv_bytes_per_token(kv_specs, tree.kv_dtype)
         self.state_bytes_per_request = tree.state_bytes
         self.admission = Admission(config.request_timeout_s)
         self._sent_coef = None  # the step cost coefficients the followers have

@@ -47,6 +47,7 @@ class EngineStats:
             "kv_pages_total": pm.num_pages,
             "kv_pages_cached": len(pm.page_of),
             "page_size": pm.page_size,
+            "kv_bits": getattr(engine.pool, "quantization", (None,))[0],
             "prefix_hit_tokens": pm.hit_tokens,
             "prefix_query_tokens": pm.query_tokens,
             "evictions": pm.evictions,

@@ -28,20 +28,19 @@ def kv_budget(weights_bytes: int, memory_fraction: float) -> int:
 
 
 def pool_pages(
-    specs: List[LayerSpec],
-    dtype: mx.Dtype,
+    per_token: int,
     page_size: int,
     weights_bytes: int,
     memory_fraction: float,
     max_total_tokens: Optional[int] = None,
     reserved_bytes: int = 0,
 ) -> int:
-    """Pages that fit `memory_fraction` of device memory left after the weights, less
-    `reserved_bytes` of that budget (recurrent state). A model without attention layers
-    gets pages that hold no KV: they only index the prefix cache."""
+    """Pages of `per_token` KV bytes a token that fit `memory_fraction` of device memory
+    left after the weights, less `reserved_bytes` of that budget (recurrent state). A
+    model without attention layers gets pages that hold no KV: they only index the
+    prefix cache."""
     if max_total_tokens is not None:
         return max(1, max_total_tokens // page_size)
-    per_token = kv_bytes_per_token(specs, dtype)
     if per_token == 0:
         return STATELESS_PAGES
     pages = (kv_budget(weights_bytes, memory_fraction) - reserved_bytes) // (per_token * page_size)

@@ -100,6 +100,8 @@ class PagedKVCache:
         self.layout = layout
         self.staged = staged  # a decode_kv.DecodeKV: read the decode rows from it
         self.keys = self.values = None  # this forward's K/V as attention sees them
+        if getattr(pool, "quantization", None):  # mlx-lm's attention reads quantized K/V where a cache has these
+            self.bits, self.group_size = pool.quantization
 
     @property
     def offset(self):

@@ -59,10 +59,11 @@ def _config(path: Path) -> dict:
         return {}
 
 
-def config_kv_bytes_per_token(config: dict) -> Optional[int]:
+def config_kv_bytes_per_token(config: dict, kv_bits: Optional[int] = None, kv_group_size: int = 64) -> Optional[int]:
     """K and V bytes of one token in every layer, from a model's config.json, before it is
     loaded (memory/kv_pool.kv_bytes_per_token counts them from the loaded model's layers);
-    float32 (a CPU's) or the checkpoint's float16 on Metal: the larger."""
+    float32 (a CPU's) or the checkpoint's float16 on Metal: the larger. Quantized
+    (kv_bits): packed values plus a float32 scale and bias a group."""
     config = {**config, **config.get("text_config", {})}
     heads = config.get("num_attention_heads")
     layers, kv_heads = config.get("num_hidden_layers"), config.get("num_key_value_heads", heads)
@@ -70,7 +71,8 @@ def config_kv_bytes_per_token(config: dict) -> Optional[int]:
     head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)
     if not (layers and kv_heads and head_dim):
         return None
-    return 2 * layers * kv_heads * head_dim * 4
+    element = 4 if kv_bits is None else kv_bits / 8 + 2 * 4 / kv_group_size
+    return int(2 * layers * kv_heads * head_dim * element)
 
 
 def replica_memory_bytes(model: Optional[str], engine: dict, mac_memory: int) -> Optional[int]:
@@ -85,7 +87,7 @@ def replica_memory_bytes(model: Optional[str], engine: dict, mac_memory: int) ->
     weights = weights_bytes(path, config, cfg.dtype)
     if weights is None:
         return None
-    per_token = config_kv_bytes_per_token(config) if cfg.max_total_tokens else None
+    per_token = config_kv_bytes_per_token(config, cfg.kv_bits, cfg.kv_group_size) if cfg.max_total_tokens else None
     spec = cfg.speculative
     draft = _local(spec.draft_model) if spec is not None and spec.draft_model else None
     if draft is not None:  # a draft model: its weights, and its KV beside every token's
@@ -95,7 +97,8 @@ def replica_memory_bytes(model: Optional[str], engine: dict, mac_memory: int) ->
         kv = cfg.max_total_tokens * per_token
     else:
         kv = cfg.kv_memory_fraction * max(0, mac_memory - weights)
-    return int(MARGIN * (weights + kv * (1 + cfg.decode_staging_fraction)))
+    staging = 0 if cfg.kv_bits else cfg.decode_staging_fraction  # quantized pages are never staged
+    return int(MARGIN * (weights + kv * (1 + staging)))
 
 
 def check_fits(name: str, need: int, largest: int) -> None:
