@@ -25,6 +25,10 @@ class EngineConfig(StrictModel):
     """Store KV pages quantized to this many bits (attention reads them with MLX's quantized kernels): about 2x (8) or 3.5x (4) the tokens in the same memory on Metal; null: the model's dtype."""
     kv_group_size: Literal[32, 64, 128] = 64
     """With kv_bits: elements of a head's K or V sharing one scale and bias."""
+    prefix_cache_dir: Optional[str] = None
+    """A directory (on an SSD) where the prefix cache keeps its pages too: they outlive memory evictions and restarts, and the replicas of one Mac share them; null: memory only."""
+    prefix_cache_max_bytes: int = Field(64 << 30, ge=1)
+    """What prefix_cache_dir may hold; the least recently used pages are deleted beyond it."""
     max_running_requests: int = Field(64, ge=1)
     """Requests in the batch at once; more wait in the engine's queue."""
     max_batched_tokens: int = Field(2048, ge=1)

@@ -3,6 +3,7 @@
 import asyncio
 import atexit
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -19,6 +20,7 @@ from .config import EngineConfig
 from .distributed.ranks import RankLost, Ranks
 from .engine_stats import EngineStats
 from .memory.activations import activation_budget
+from .kv_tiers.disk_tier import open_disk_tier
 from .memory.kv_pool import KVPool, kv_budget, kv_bytes_per_token, pool_pages
 from .memory.quantized_kv_pool import KVQuantization, QuantizedKVPool, quantized_bytes_per_token
 from .memory.model_caches import probe_caches
@@ -37,6 +39,8 @@ from .scheduling.step_cost import shape_of
 from .speculative.model_drafter import load_model_drafter
 from .speculative.speculator import speculator_for
 from .worker import Worker
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -96,8 +100,9 @@ class Engine:
         self.budget = StepBudget(config.max_batched_tokens, config.max_token_gap_s, config.min_prefill_tokens,
                                  timed=config.step_budget == "time")
         self.speculator = speculator_for(config.speculative, drafter)
+        self.disk = self._disk_tier(config, model, tree, ranks, drafter_model)
         self.scheduler = Scheduler(self.pages, eos, config.max_running_requests, config.max_batched_tokens,
-                                   self.snapshots, self.budget, self.speculator)
+                                   self.snapshots, self.budget, self.speculator, self.disk)
         self.activation_bytes = activation_budget(model, config.max_batched_tokens, config.max_running_requests,
                                                   self.vocab_size)
         # The decode batch's copies from the pool run before a step, never beside one: its activation
@@ -225,6 +230,22 @@ class Engine:
         work done for it counts as wasted."""
         self._commands.put(("abort", (rid, True)))
 
+    def _disk_tier(self, config: EngineConfig, model, tree, ranks, drafter):
+        """The prefix cache's SSD tier where configured and possible (said in the log where not)."""
+        if not config.prefix_cache_dir:
+            return None
+        why_not = ("a model with recurrent layers (its state snapshots are not on disk yet)" if tree.states else
+                   "a replica over several Macs" if ranks else
+                   "a draft model or MTP heads (their KV is not on disk)" if drafter is not None else None)
+        if why_not:
+            log.warning("prefix_cache_dir is set, but not used for %s", why_not)
+            return None
+        disk = open_disk_tier(config.prefix_cache_dir, config.prefix_cache_max_bytes, model, self.pool,
+                              config.kv_bits)
+        if disk is not None:
+            self.pages.listener = disk.published
+        return disk
+
     def stats(self) -> dict:
         """Load, KV use, cache counters and cached page hashes, as of the last step. A
         snapshot the engine thread publishes after each step: never waits on the device."""
@@ -255,6 +276,8 @@ class Engine:
         # A loop blocked on a lost rank's collective never ends: do not wait for it.
         self._thread.join(timeout=1 if isinstance(self._error, RankLost) else 30)
         _wait_os_thread_gone(self._thread)
+        if self.disk is not None:  # the pages handed to the writer reach the disk
+            self.disk.close()
 
     # --- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -310,6 +333,8 @@ class Engine:
                 if plan:
                     inflight.append(self.worker.launch(plan))
                     inflight[-1].launched_at = t
+                    if self.disk is not None:  # the pages it publishes, copied out behind it
+                        inflight[-1].disk_capture = self.disk.capture(self.pages)
                     launched = True
                     self.num_steps += 1
                 self._deliver(self.scheduler.drain_outputs())
@@ -366,6 +391,8 @@ class Engine:
 
     def _finish_step(self, step) -> None:
         tokens = self.worker.finalize(step)
+        if step.disk_capture is not None:
+            self.disk.save(step.disk_capture)
         now = step.done_at or time.perf_counter()  # steps overlap: this one's time runs from the last one's end
         seconds, plan = now - max(self._last_finish, step.launched_at), step.plan
         self._last_finish = now

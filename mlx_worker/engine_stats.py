@@ -21,6 +21,7 @@ class EngineStats:
         self.recent_steps: deque = deque(maxlen=STEP_WINDOW)  # (seconds, decode rows, prefill tokens)
         self.snapshot: dict = {}
         self._hashes_version, self._hashes_at = -1, 0.0
+        self._disk_at = -HASHES_PERIOD_S
 
     def step(self, seconds: float, decode_rows: int, prefill_tokens: int) -> None:
         self.recent_steps.append((seconds, decode_rows, prefill_tokens))
@@ -39,6 +40,9 @@ class EngineStats:
             # A model with recurrent layers resumes only at a snapshot: report those pages.
             hashes = snaps.hashes(pm.page_of) if snaps else pm.cached_hashes()
             self._hashes_version, self._hashes_at = version, now
+        disk = self.snapshot.get("disk_page_hashes")
+        if engine.disk is not None and (now - self._disk_at >= HASHES_PERIOD_S or not sched.has_work()):
+            disk, self._disk_at = engine.disk.hashes(), now
         steps = max(1, engine.num_steps)
         self.snapshot = {
             "running": len(sched.running),
@@ -71,6 +75,7 @@ class EngineStats:
             "graph_build_cpu_ms_per_step": 1e3 * worker.build_cpu_s / steps,
             "device_ms_per_step": 1e3 * worker.device_s / steps,
             "cached_page_hashes": hashes,
+            "disk_page_hashes": disk,  # the SSD tier's (router: a second tier)
             "ranks": engine.ranks.size if engine.ranks else 1,  # Macs this engine spans
             "batching": engine.batching,
             "recurrent_state_bytes_per_request": engine.state_bytes_per_request,
@@ -80,6 +85,7 @@ class EngineStats:
             "adapters": engine.adapters.stats() if engine.adapters else None,  # resident LoRA adapters
             "speculative": engine.speculator.stats() if engine.speculator else None,  # drafts verified, accepted
             "images": engine.model.stats() if engine.worker.vision else None,  # the image cache
+            "prefix_cache_disk": engine.disk.stats() if engine.disk else None,  # the SSD tier
             **self.memory,
         }
 

@@ -95,6 +95,7 @@ class Sequence:
     timeout_s: Optional[float] = None  # Request.timeout_s
     deadline: Optional[float] = None  # perf_counter time its client gives up (set on admission; the leader's only)
     return_s: float = 0.0  # of that time, what the answer's way back to the client is given (engine.RETURN_SHARE)
+    disk_reads: Optional[tuple] = None  # the SSD tier's reads of its prefix pages, started at arrival (kv_tiers/)
     uncached_estimate: Optional[int] = None  # tokens to compute, as the prefix cache stood at arrival (admission.py)
     adapter: Optional[str] = None  # Request.adapter
     adapter_slot: int = 0  # its adapter's slot in the LoRA layers (adapters/); 0: the base model

@@ -34,6 +34,7 @@ class InFlightStep:
     drafted: List[tuple] = field(default_factory=list)  # (verify rows, their draft model's drafts (rows, k))
     launched_at: float = 0.0  # perf_counter when the engine started building it
     done_at: Optional[float] = None  # perf_counter when the device was seen to have finished it
+    disk_capture: Optional[object] = None  # kv_tiers.Capture: the pages it published, for the SSD tier
 
 
 @dataclass

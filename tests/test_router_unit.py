@@ -60,6 +60,21 @@ def test_prefers_replica_with_cached_prefix():
     assert r.scores["b"].matched == 60 and r.scores["c"].matched == 10
 
 
+def test_pages_on_a_replicas_ssd_count_less_than_in_memory_more_than_none():
+    pol = policy()
+    pol.observe("memory", report(SYS[:20]), 0.0)
+    pol.observe("disk", report(SYS[:10], disk_page_hashes=SYS), 0.0)  # 50 more pages on its SSD
+    pol.observe("none", report(), 0.0)
+    r = pol.rank(["memory", "disk", "none"], SYS, now=0.0)
+    assert r.scores["disk"].matched == 10 and r.scores["disk"].on_disk == 50
+    assert r.scores["disk"].score == 10 + 0.5 * 50
+    assert r.groups == [["disk"], ["memory"], ["none"]]  # 35 > 20 > 0
+    pol.observe("memory", report(SYS[:40], engine_id="e1"), 1.0)
+    assert best(pol.rank(["memory", "disk"], SYS, now=1.0)) == ["memory"]  # 40 in memory beat 35
+    pol.observe("disk", report(SYS[:10], engine_id="e2"), 2.0)  # restarted: its report says no disk
+    assert pol.rank(["disk"], SYS, now=2.0).scores["disk"].on_disk == 0
+
+
 def test_load_cost_outweighs_small_overlap():
     pol = policy(load_weight=2.0)
     pol.observe("a", report(SYS[:2], running=3), 0.0)  # 2 pages cached, busy

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n\n\n"
         "def sub(a, b):\n    return a - b\n")
 MESSAGES = [{"role": "user", "content": f"Here is my code:\n```python\n{CODE}```\nRewrite it exactly, in a code block."}]
-MAX_TOKENS = 40
+MAX_TOKENS = 30
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ class PageManager:
         self.query_tokens = 0
         self.evictions = 0
         self.version = 0  # changes whenever the set of cached hashes does
+        self.listener = None  # called with (page, hash) on each publish (the SSD tier copies the page out)
 
     def available(self) -> int:
         return len(self.free) + len(self.lru)
@@ -76,6 +77,8 @@ class PageManager:
         self.page_of[h] = page
         self.hash_of[page] = h
         self.version += 1
+        if self.listener is not None:
+            self.listener(page, h)
         return True
 
     def release(self, pages: List[int]) -> None:

@@ -12,6 +12,8 @@ from ..memory.state_snapshots import StateSnapshots
 from ..request import RequestOutput, Sequence, Status
 from .step_budget import StepBudget, StepRoom
 
+PREFETCH_AHEAD = 4  # waiting requests whose prefix pages the SSD tier reads ahead
+
 
 @dataclass
 class PrefillChunk:
@@ -82,8 +84,9 @@ class Scheduler:
 
     def __init__(self, pages: PageManager, eos_ids: Set[int], max_running: int, max_batched_tokens: int,
                  snapshots: Optional[StateSnapshots] = None, budget: Optional[StepBudget] = None,
-                 speculator=None):
+                 speculator=None, disk=None):
         self.speculator = speculator  # speculative.Speculator: decoding rows may verify drafts
+        self.disk = disk  # kv_tiers.DiskTier: prefix pages on SSD, read back instead of recomputed
         self.pages = pages
         self.snapshots = snapshots  # a model with recurrent layers resumes only at a snapshot
         self.page_size = pages.page_size
@@ -110,7 +113,18 @@ class Scheduler:
             return self.refusal(seq, f"duplicate request id {seq.rid!r}", "duplicate_request_id")
         self.by_rid[seq.rid] = seq
         self.waiting.append(seq)
+        self._prefetch_ahead()
         return None
+
+    def _prefetch_ahead(self) -> None:
+        """The SSD tier reads the prefix pages of the next requests to admit while they
+        wait (only the next few: what it reads is held in memory until then)."""
+        if self.disk is None or self.snapshots is not None:
+            return
+        for seq in self.waiting[:PREFETCH_AHEAD]:
+            if seq.disk_reads is None and not seq.pages and self._matches_prefix(seq):
+                hashes = seq.full_page_hashes((seq.num_tokens - 1) // self.page_size)
+                seq.disk_reads = self.disk.prefetch(hashes, self.pages.cached_depth(hashes))
 
     def refusal(self, seq: Sequence, message: str, code: str) -> RequestOutput:
         """The error output that ends a request never queued."""
@@ -189,6 +203,7 @@ class Scheduler:
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)
+        self._prefetch_ahead()
         self.tokens_computed += len(plan.decode) + sum(length for _, length in plan.chunks() + plan.verify_rows())
         return plan
 
@@ -268,9 +283,14 @@ class Scheduler:
             return (start + length) // P * P - start
         return length
 
+    @staticmethod
+    def _matches_prefix(seq: Sequence) -> bool:
+        """False where every prompt position's output is wanted: all of them are computed."""
+        return seq.params.prompt_logprobs is None and seq.params.embedding != "mean"
+
     def _match_prefix(self, seq: Sequence) -> None:
-        if seq.params.prompt_logprobs is not None or seq.params.embedding == "mean":
-            return  # every prompt position's output is wanted: compute them all
+        if not self._matches_prefix(seq):
+            return
         # Leave at least one token to compute: its logits give the next token.
         n_pages = (seq.num_tokens - 1) // self.page_size
         first = seq.num_preemptions == 0
@@ -282,6 +302,9 @@ class Scheduler:
             hashes = hashes[:depth]
             seq.state = self.snapshots.take(hashes[-1]) if hashes else None
         seq.pages = self.pages.match(hashes, seq.num_tokens if first else 0, count=first)
+        if self.disk is not None and self.snapshots is None:
+            seq.pages += self.disk.take(self.pages, hashes, len(seq.pages), seq.disk_reads, count=first)
+            seq.disk_reads = None
         seq.num_published = len(seq.pages)
         seq.num_computed = len(seq.pages) * self.page_size
         if first:
@@ -320,7 +343,7 @@ class Scheduler:
         elif seq.status == Status.WAITING:
             self.waiting.remove(seq)
         self._release(seq)
-        seq.embeds = None
+        seq.embeds = seq.disk_reads = None
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.by_rid.pop(seq.rid, None)

@@ -253,24 +253,22 @@ class EngineReplica:
     def stats(self) -> Dict[str, Any]:
         st = self.engine.stats()
         st.pop("cached_page_hashes")
+        st.pop("disk_page_hashes")
         return {"engine_id": self.engine_id, **st}
 
     def record_routing_stats(self) -> Dict[str, Any]:
         """Load and cached pages, for the prefix-affinity router (Serve calls this every
         request_routing_stats_period_s; it also refreshes the metric gauges).
 
-        Past REPORT_ALL_PAGES hashes only a deterministic quarter is sent (about 40 KiB
-        per 4k pages otherwise, every second): each hash names its whole prefix, so the
-        router still finds the deepest cached page of a prompt within 3 pages.
+        The pages the SSD tier holds go with them (a second tier). Past
+        REPORT_ALL_PAGES hashes only a quarter of each is sent (`sampled`).
         """
         st = self.engine.stats()
         try:
             self.metrics.update(st)
         except Exception:  # noqa: BLE001 - metrics must never break routing stats
             pass
-        hashes = st["cached_page_hashes"]
-        if len(hashes) > REPORT_ALL_PAGES:
-            hashes = [h for h in hashes if h % 4 == 0]
+        hashes = sampled(st["cached_page_hashes"])
         if st.get("adapters"):  # the roots of the resident adapters' hash chains (models/served_model.py)
             hashes = [*hashes, *(adapter_root(a) for a in st["adapters"]["resident"])]
         return {
@@ -281,6 +279,7 @@ class EngineReplica:
             "kv_used": st["kv_pages_used"] / max(1, st["kv_pages_total"]),
             "queue_wait_s": st["queue_wait_s"] or 0.0,
             "cached_page_hashes": hashes,
+            "disk_page_hashes": sampled(st["disk_page_hashes"] or []),
         }
 
     async def check_health(self) -> None:
@@ -293,6 +292,13 @@ class EngineReplica:
         engine: Optional[Engine] = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def sampled(hashes: list) -> list:
+    """Past REPORT_ALL_PAGES hashes a deterministic quarter (about 40 KiB per 4k pages
+    otherwise, every second): each hash names its whole prefix, so the router still finds
+    the deepest page of a prompt within 3 pages."""
+    return [h for h in hashes if h % 4 == 0] if len(hashes) > REPORT_ALL_PAGES else hashes
 
 
 MLXReplica = serve.deployment(EngineReplica, name="MLXReplica")

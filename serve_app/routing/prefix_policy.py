@@ -13,7 +13,10 @@ Signals:
   inserts it should already show (older than the report minus `report_lag_s`);
 - Serve's per-replica queue-length cache (ongoing requests, fresh to the last send).
 
-score(replica) = page_weight * matched_pages - load_weight * load,
+score(replica) = page_weight * (matched_pages + disk_page_weight * disk_pages)
+                 - load_weight * load,
+disk_pages = the prompt's pages past the matched ones that the replica's SSD tier holds
+(its report's `disk_page_hashes`),
 load = ongoing requests (Serve's count, else reported running + waiting, or this
 router's in-flight count) + kv_weight * kv_used.
 When the load of the candidates is imbalanced (max - min > `imbalance_threshold` and
@@ -53,6 +56,10 @@ class PrefixAffinityConfig(BaseModel):
 
     page_weight: float = Field(1.0, ge=0)
     """Score per matched (cached) prefix page."""
+    disk_page_weight: float = Field(0.5, ge=0)
+    """Of page_weight: a prefix page past those in memory that the replica holds on its
+    SSD tier (`disk_page_hashes`): loading it is cheaper than computing it, dearer than
+    finding it in memory."""
     load_weight: float = Field(2.0, ge=0)
     """Score cost per unit of load (one ongoing request), in pages."""
     kv_weight: float = Field(4.0, ge=0)
@@ -138,6 +145,7 @@ class ReplicaCacheState:
 
     engine_id: Optional[str] = None
     reported: frozenset = frozenset()
+    on_disk: frozenset = frozenset()  # pages its SSD tier holds (reported)
     optimistic: "OrderedDict[int, float]" = field(default_factory=OrderedDict)  # hash -> t
     has_report: bool = False
     report_time: float = -math.inf
@@ -151,7 +159,7 @@ class ReplicaCacheState:
     last_stats: Any = None  # the stats object (or its content) last applied
 
     def forget_cache(self) -> None:
-        self.reported = frozenset()
+        self.reported = self.on_disk = frozenset()
         self.optimistic.clear()
 
     def contains(self, h: int, now: float, ttl: float) -> bool:
@@ -179,6 +187,7 @@ class ReplicaScore:
     matched: int
     load: float
     score: float
+    on_disk: int = 0  # pages past `matched` its SSD tier holds
 
 
 @dataclass
@@ -290,6 +299,12 @@ class PrefixAffinityPolicy:
                 del opt[h]
         elif not st.cache_ok:
             st.forget_cache()
+        disk = stats.get("disk_page_hashes")
+        if disk is not None and st.cache_ok:
+            try:
+                st.on_disk = frozenset(list(disk)[-cfg.max_tracked_pages :])
+            except TypeError:
+                st.on_disk = frozenset()
         st.has_report = True
         st.report_time = now
         return True
@@ -337,6 +352,13 @@ class PrefixAffinityPolicy:
             page_hashes, lambda h: st.contains(h, now, ttl), self.config.match_mode
         )
 
+    def disk_match_len(self, key: Hashable, page_hashes: Sequence[int], matched: int) -> int:
+        """Pages past the `matched` in memory that the replica's SSD tier holds."""
+        st = self.replicas.get(key)
+        if st is None or not st.on_disk or not page_hashes or not st.cache_ok:
+            return 0
+        return max(0, prefix_match_len(page_hashes, st.on_disk, self.config.match_mode) - matched)
+
     def load(self, key: Hashable, ongoing: Optional[int] = None) -> float:
         """Ongoing requests (Serve's count if known) + kv_weight * KV use + wait_weight *
         predicted wait."""
@@ -357,9 +379,11 @@ class PrefixAffinityPolicy:
         ongoing: Optional[int] = None,
     ) -> ReplicaScore:
         matched = self.match_len(key, page_hashes or (), now)
+        on_disk = self.disk_match_len(key, page_hashes or (), matched)
         load = self.load(key, ongoing)
         cfg = self.config
-        return ReplicaScore(key, matched, load, cfg.page_weight * matched - cfg.load_weight * load)
+        pages = matched + cfg.disk_page_weight * on_disk
+        return ReplicaScore(key, matched, load, cfg.page_weight * pages - cfg.load_weight * load, on_disk)
 
     def is_imbalanced(self, loads: Sequence[float]) -> bool:
         return imbalanced(loads, self.config.imbalance_threshold, self.config.imbalance_ratio)

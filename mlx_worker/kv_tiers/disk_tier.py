@@ -1,0 +1,258 @@
+"""The prefix cache's SSD tier (`engine.prefix_cache_dir`).
+
+Every page the prefix cache publishes is copied out of the pool by the step after (a
+lazy gather that runs on the device behind that step), and once that step is done a
+writer thread files it (page_files.py): the engine step never waits for the disk. A
+request's pages on disk are read by reader threads from the moment it arrives; when it
+is admitted, the pages its prefix has on disk past those in memory are written back
+into the pool instead of being recomputed, and count as cached tokens.
+"""
+
+import hashlib
+import itertools
+import logging
+import os
+import queue
+import threading
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..memory.kv_pool import KVPool
+from ..memory.page_manager import PageManager
+from .page_files import PageFiles, namespace
+
+log = logging.getLogger(__name__)
+
+READ_RUN = 32  # pages a reader thread reads in one task
+MAX_QUEUED_BYTES = 1 << 30  # copies waiting for the writer; beyond this, pages go unsaved
+KNOWN = 1 << 20  # hashes remembered as on disk (never copied out again)
+
+
+class Capture:
+    """Copies of pages published since the last step, and the hashes they are filed under."""
+
+    def __init__(self, hashes: List[int], arrays: List[mx.array]):
+        self.hashes, self.arrays = hashes, arrays
+
+
+class DiskTier:
+    def __init__(self, pool: KVPool, files: PageFiles, max_bytes: int, readers: int = 4):
+        self.pool = pool
+        self.files = files
+        self.max_bytes = max_bytes
+        self.page_bytes = files.file_bytes
+        self._pending: List[Tuple[int, int]] = []  # (page, hash) published, not yet copied out
+        self._known: "OrderedDict[int, None]" = OrderedDict()  # hashes on disk, by this tier's account
+        self._news: deque = deque()  # from the writer thread: (hash, on disk?) for _known
+        self._queue: "queue.Queue" = queue.Queue()
+        self._queued_bytes = 0
+        self._reads = ThreadPoolExecutor(readers, thread_name_prefix="kv-disk-read")
+        self.pages_written = self.pages_loaded = self.pages_skipped = self.write_errors = 0
+        self.hit_tokens = 0
+        self.bytes_on_disk = 0
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-write", daemon=True)
+        self._writer.start()
+
+    # --- writing ---------------------------------------------------------------
+    def published(self, page: int, h: int) -> None:
+        """The prefix cache published `page` under `h` (PageManager's listener)."""
+        if h not in self._known:
+            self._pending.append((page, h))
+
+    def capture(self, pages: PageManager) -> Optional[Capture]:
+        """Copy out (lazily, dispatched now, behind the step just launched) the pages
+        published since the last capture that still hold their hash."""
+        self._take_news()
+        keep = [(p, h) for p, h in self._pending if pages.hash_of.get(p) == h]
+        self._pending = []
+        if not keep:
+            return None
+        if self._queued_bytes + len(keep) * self.page_bytes > MAX_QUEUED_BYTES:
+            self.pages_skipped += len(keep)  # the disk is behind: these stay in memory only
+            return None
+        P = self.pool.page_size
+        slots = mx.array((np.array([p for p, _ in keep])[:, None] * P + np.arange(P)).reshape(-1).astype(np.int32))
+        arrays = [_host_view(a[:, slots]) for a in self.pool.arrays()]
+        mx.async_eval(*arrays)
+        for _, h in keep:
+            self._remember(h)
+        return Capture([h for _, h in keep], arrays)
+
+    def save(self, capture: Capture) -> None:
+        """Hand a capture to the writer once the step that computed its pages is done."""
+        host = [np.array(a) for a in capture.arrays]
+        self._queued_bytes += len(capture.hashes) * self.page_bytes
+        self._queue.put((capture.hashes, host))
+
+    def _write_loop(self) -> None:
+        try:
+            self.bytes_on_disk = self.files.evict(self.max_bytes)
+            self._news.extend((h, True) for h in self.files.hashes())  # those a restart finds
+        except OSError as e:
+            log.warning("prefix cache: cannot scan %s (%s)", self.files.root, e)
+        P = self.pool.page_size
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):  # flush()
+                item.set()
+                continue
+            hashes, host = item
+            for i, h in enumerate(hashes):
+                try:
+                    if self.files.write(h, [a[:, i * P : (i + 1) * P] for a in host]):
+                        self.pages_written += 1
+                        self.bytes_on_disk += self.page_bytes
+                except OSError as e:  # a full or failing disk: the page stays in memory only
+                    self.write_errors += 1
+                    self._news.append((h, False))
+                    if self.write_errors == 1 or self.write_errors % 1000 == 0:
+                        log.warning("prefix cache: writing a page failed (%s); %d failures so far", e,
+                                    self.write_errors)
+            self._queued_bytes -= len(hashes) * self.page_bytes
+            if self.bytes_on_disk > self.max_bytes:
+                try:
+                    self.bytes_on_disk = self.files.evict(self.max_bytes)
+                except OSError as e:
+                    log.warning("prefix cache: eviction failed (%s)", e)
+
+    def _take_news(self) -> None:
+        while self._news:
+            h, on_disk = self._news.popleft()
+            if on_disk:
+                self._remember(h)
+            else:
+                self._known.pop(h, None)
+
+    def hashes(self, limit: int = 65536) -> List[int]:
+        """The newest `limit` pages on disk by this tier's account (those it wrote or read,
+        and those it found at start), oldest first: for the router. On the engine thread."""
+        self._take_news()
+        return list(itertools.islice(reversed(self._known), limit))[::-1]
+
+    def _remember(self, h: int) -> None:
+        self._known[h] = None
+        if len(self._known) > KNOWN:
+            self._known.popitem(last=False)
+
+    def flush(self, timeout: float = 30) -> None:
+        """Wait until every page handed so far is written."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait(timeout)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join(30)
+        self._reads.shutdown(wait=False, cancel_futures=True)
+
+    # --- reading ---------------------------------------------------------------
+    def prefetch(self, hashes: Sequence[int], start: int) -> Tuple[int, List[Future]]:
+        """Start reading the pages of `hashes` from index `start` (those past the ones in
+        memory now) that are on disk, in order, in runs of READ_RUN."""
+        depth = start
+        while depth < len(hashes) and self.files.has(hashes[depth]):
+            depth += 1
+        runs = [hashes[i : min(i + READ_RUN, depth)] for i in range(start, depth, READ_RUN)]
+        return start, [self._reads.submit(self._read_run, run) for run in runs]
+
+    def _read_run(self, hashes: Sequence[int]) -> List[List[np.ndarray]]:
+        out = []
+        for h in hashes:
+            arrays = self.files.read(h)
+            if arrays is None:  # gone or damaged (deleted): to be written again when computed
+                self._news.append((h, False))
+                break
+            out.append(arrays)
+        return out
+
+    def take(self, pages: PageManager, hashes: Sequence[int], start: int, reads=None,
+             count: bool = True) -> List[int]:
+        """Pool pages for hashes[start:] that are on disk, consecutive, loaded into the
+        pool (writes dispatched with the next forward) and published; [] when none are
+        or the pool has no room. `reads`: the request's prefetch."""
+        if reads is None or reads[0] > start:  # nothing read yet, or memory lost pages since
+            reads = self.prefetch(hashes, start)
+        first, futures = reads
+        data: List[List[np.ndarray]] = []
+        for f in futures:
+            run = f.result()
+            data += run
+            if len(run) < READ_RUN:
+                break
+        self._take_news()
+        data = data[start - first :]
+        if not data:
+            return []
+        new = pages.allocate(min(len(data), pages.available()))
+        if not new:
+            return []
+        self.load(new, data)
+        for page, h in zip(new, hashes[start : start + len(new)]):
+            self._remember(h)
+            pages.publish(page, h)
+        self.pages_loaded += len(new)
+        if count:
+            self.hit_tokens += len(new) * pages.page_size
+            pages.hit_tokens += len(new) * pages.page_size
+        return new
+
+    def load(self, new: List[int], data: List[List[np.ndarray]]) -> None:
+        P = self.pool.page_size
+        slots = mx.array((np.array(new)[:, None] * P + np.arange(P)).reshape(-1).astype(np.int32))
+        for j, a in enumerate(self.pool.arrays()):
+            if a.size:
+                a[:, slots] = mx.array(np.concatenate([d[j] for d in data], axis=1)).view(a.dtype)
+
+    def stats(self) -> dict:
+        return {"dir": str(self.files.dir), "hit_tokens": self.hit_tokens, "pages_loaded": self.pages_loaded,
+                "pages_written": self.pages_written, "pages_not_saved": self.pages_skipped,
+                "write_errors": self.write_errors, "damaged_pages": self.files.num_corrupt,
+                "bytes": self.bytes_on_disk, "max_bytes": self.max_bytes}
+
+
+def _host_view(a: mx.array) -> mx.array:
+    """bfloat16 has no NumPy dtype: its bits go to disk as uint16."""
+    return a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+
+
+def page_layout(pool: KVPool) -> List[Tuple[tuple, np.dtype]]:
+    """(shape, NumPy dtype) of each pool array's share of one page."""
+    out = []
+    for a in pool.arrays():
+        dtype = np.uint16 if a.dtype == mx.bfloat16 else np.dtype(str(a.dtype).split(".")[-1])
+        out.append(((a.shape[0], pool.page_size, a.shape[2]), dtype))
+    return out
+
+
+def model_fingerprint(model) -> str:
+    """Names, shapes, dtypes and the first values of every weight (LoRA slots aside):
+    another checkpoint, even of the same architecture, gets another namespace."""
+    m = hashlib.blake2b(digest_size=16)
+    for name, v in tree_flatten(model.parameters()):
+        if "lora" in name:
+            continue
+        m.update(f"{name}:{v.shape}:{v.dtype}".encode())
+        head = v.reshape(-1)[:16]
+        m.update(np.array(head.astype(mx.float32) if mx.issubdtype(head.dtype, mx.floating) else head).tobytes())
+    return m.hexdigest()
+
+
+def open_disk_tier(directory: str, max_bytes: int, model, pool: KVPool, kv_bits: Optional[int]):
+    """The tier over `directory` for this model and pool, or None when the directory
+    cannot be used (said in the log: the engine serves without it)."""
+    layout = page_layout(pool)
+    space = namespace({"model": model_fingerprint(model), "page_size": pool.page_size, "kv_bits": kv_bits,
+                       "layout": [(shape, d.str) for shape, d in layout]})
+    try:
+        files = PageFiles(os.path.expanduser(directory), space, layout)
+    except OSError as e:
+        log.error("prefix cache: %s cannot be used (%s); serving without the SSD tier", directory, e)
+        return None
+    return DiskTier(pool, files, max_bytes)
