@@ -1,6 +1,7 @@
 """Images in prompts: a vision-language checkpoint (mlx-vlm's classes: a tiny random
 Gemma 3, a Qwen2.5-VL, whose M-RoPE positions the engine makes per row, a Qwen3-VL, whose
-first layers add image features too (deepstack), an Idefics3, a SmolVLM and a Mistral 3
+first layers add image features too (deepstack), a Qwen3.5 (hybrid: recurrent layers
+between the attention ones), an Idefics3, a SmolVLM and a Mistral 3
 with its Pixtral tower)
 served by the engine gives mlx-vlm's own greedy tokens, alone and batched with text and
 other images, with prefill chunks across the image tokens and prefix hits, and a page
@@ -14,7 +15,7 @@ from conftest import collect
 from PIL import Image
 from tiny_models import make_tiny_model
 from tiny_vision import (save_tiny_gemma3_vision, save_tiny_idefics3_vision, save_tiny_mistral3_vision,
-                         save_tiny_qwen2_5_vision, save_tiny_qwen3_vision)
+                         save_tiny_qwen2_5_vision, save_tiny_qwen3_5_vision, save_tiny_qwen3_vision)
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 from mlx_worker.memory.paging import page_hashes
@@ -23,13 +24,14 @@ from mlx_worker.vision.image_inputs import image_spans
 N = 10
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm",
-                                                "mistral3"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3",
+                                                "smolvlm", "mistral3"])
 def checkpoint(request, tmp_path_factory):
     save = {"gemma3": save_tiny_gemma3_vision, "qwen2_5_vl": save_tiny_qwen2_5_vision,
             "idefics3": save_tiny_idefics3_vision,
             "smolvlm": lambda path: save_tiny_idefics3_vision(path, model_type="smolvlm"),
-            "mistral3": save_tiny_mistral3_vision, "qwen3_vl": save_tiny_qwen3_vision}[request.param]
+            "mistral3": save_tiny_mistral3_vision, "qwen3_vl": save_tiny_qwen3_vision,
+            "qwen3_5": save_tiny_qwen3_5_vision}[request.param]
     return str(save(tmp_path_factory.mktemp(request.param)))
 
 
@@ -121,7 +123,10 @@ def test_a_second_turn_with_the_same_image_is_a_prefix_hit_and_another_image_nev
         other = request(eng, "t3", second, [picture(6)])
         (toks, last), = run(eng, [other])
         assert toks == reference(second, [picture(6)])
-        assert last.num_cached_tokens == other.images.spans[0][0] // 16 * 16 > 0
+        before_image = other.images.spans[0][0] // 16 * 16
+        # A model with recurrent layers resumes only at a state snapshot: the first prompt
+        # to branch off there leaves one (for the next), it gets none.
+        assert last.num_cached_tokens == (0 if eng.snapshots is not None else before_image) and before_image > 0
     finally:
         eng.shutdown()
 

@@ -227,3 +227,22 @@ def save_tiny_qwen3_vision(path: Path, seed: int = 0) -> Path:
     (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
     return write_random_weights(path, config, seed)
 
+
+
+def save_tiny_qwen3_5_vision(path: Path, seed: int = 0) -> Path:
+    """A Qwen3.5 checkpoint (vision): Qwen3-VL's tower without deepstack, and a hybrid text
+    model of 4 layers (gated delta net, then full attention with M-RoPE, twice)."""
+    path = save_tiny_qwen3_vision(path, seed)
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = "qwen3_5"
+    config["text_config"] = {
+        "model_type": "qwen3_5_text", "vocab_size": config["vocab_size"], "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "full_attention_interval": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "rope_parameters": {"type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e7,
+                            "partial_rotary_factor": 0.5, "mrope_interleaved": True}}
+    config["vision_config"] = {**config["vision_config"], "model_type": "qwen3_5", "deepstack_visual_indexes": []}
+    (path / "config.json").write_text(json.dumps(config))
+    return write_random_weights(path, config, seed)

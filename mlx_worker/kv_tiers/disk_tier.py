@@ -50,7 +50,8 @@ class DiskTier:
         self._known: "OrderedDict[int, None]" = OrderedDict()  # hashes on disk, by this tier's account
         self._news: deque = deque()  # from the writer thread: (hash, on disk?) for _known
         self._queue: "queue.Queue" = queue.Queue()
-        self._queued_bytes = 0
+        self._queued_bytes = 0  # updated by both threads: under _lock
+        self._lock = threading.Lock()
         self._reads = ThreadPoolExecutor(readers, thread_name_prefix="kv-disk-read")
         self.pages_written = self.pages_loaded = self.pages_skipped = self.write_errors = 0
         self.hit_tokens = 0
@@ -86,7 +87,8 @@ class DiskTier:
     def save(self, capture: Capture) -> None:
         """Hand a capture to the writer once the step that computed its pages is done."""
         host = [np.array(a) for a in capture.arrays]
-        self._queued_bytes += len(capture.hashes) * self.page_bytes
+        with self._lock:
+            self._queued_bytes += len(capture.hashes) * self.page_bytes
         self._queue.put((capture.hashes, host))
 
     def _write_loop(self) -> None:
@@ -115,7 +117,8 @@ class DiskTier:
                     if self.write_errors == 1 or self.write_errors % 1000 == 0:
                         log.warning("prefix cache: writing a page failed (%s); %d failures so far", e,
                                     self.write_errors)
-            self._queued_bytes -= len(hashes) * self.page_bytes
+            with self._lock:
+                self._queued_bytes -= len(hashes) * self.page_bytes
             if self.bytes_on_disk > self.max_bytes:
                 try:
                     self.bytes_on_disk = self.files.evict(self.max_bytes)

@@ -19,7 +19,7 @@ from .prompt import vision_prompt
 # The vision families served: their language models take the engine's per-row positions
 # as they are (one RoPE position a token), or M-RoPE positions (Qwen-VL: three a token,
 # from the images' grids) that `position_ids` makes per row, never kept in module state.
-FAMILIES = ("gemma3", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "mistral3")
+FAMILIES = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3", "smolvlm", "mistral3")
 
 
 def is_vision_checkpoint(spec: str) -> bool:
@@ -77,7 +77,7 @@ class VisionLanguageModel(nn.Module):
             return self.language_model.model(inputs, inputs_embeds=input_embeddings, cache=cache)
         if position_ids is None:  # rows without images (the engine's probes): plain positions
             position_ids = mx.array(plain_positions(cache, *inputs.shape))
-        return self.language_model.model(inputs, inputs_embeds=input_embeddings, cache=cache,
+        return self.language_model.model(inputs, inputs_embeds=input_embeddings, cache=_vlm_state_caches(cache),
                                          position_ids=position_ids, **deepstack)
 
     def forward_kwargs(self, seqs, offsets, L: int, embeds: Optional[mx.array]) -> dict:
@@ -163,6 +163,24 @@ def plain_positions(cache, B: int, L: int) -> np.ndarray:
     offset = getattr(cache[0], "offset", 0) if cache else 0
     offsets = np.array(offset).reshape(-1) if isinstance(offset, mx.array) else np.full(B, offset)
     return np.broadcast_to(offsets[None, :, None] + np.arange(L)[None, None], (3, B, L)).copy()
+
+
+def _vlm_state_caches(cache):
+    """mlx-vlm's recurrent layers (Qwen3.5's) call its own ArraysCache's methods
+    (`update_window`, `advance`): the engine's state caches (mlx-lm's) go in behind one
+    that shares their list of arrays, so what the layer leaves is where the engine reads."""
+    if not cache or not any(type(c) is mlx_cache.ArraysCache for c in cache):
+        return cache
+    from mlx_vlm.models.cache import ArraysCache
+
+    out = []
+    for c in cache:
+        if type(c) is mlx_cache.ArraysCache:
+            shared = ArraysCache(len(c.cache))
+            shared.cache = c.cache
+            c = shared
+        out.append(c)
+    return out
 
 
 def _as_mlx_lm(c):
