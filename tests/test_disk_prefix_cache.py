@@ -83,14 +83,20 @@ def test_pages_evicted_from_memory_come_back_from_disk(model, tmp_path):
         eng.shutdown()
 
 
-def test_a_damaged_file_is_deleted_and_recomputed_never_served(model, tmp_path):
-    p = prompt(3)
-    eng = engine(model, tmp_path)
+def filed(model, directory, p, **kw):
+    """An engine that computed `p`, filed its 12 pages and stopped."""
+    eng = engine(model, directory, **kw)
     try:
         run_requests(eng, [p], N)
         written(eng, 12)
     finally:
         eng.shutdown()
+    return eng
+
+
+def test_a_damaged_file_is_deleted_and_recomputed_never_served(model, tmp_path):
+    p = prompt(3)
+    eng = filed(model, tmp_path, p)
     paths = [eng.disk.files.path(h) for h in _hashes(eng, p)]
     data = bytearray(paths[5].read_bytes())
     data[-3] ^= 0x40  # one flipped bit in page 5's KV
@@ -129,12 +135,7 @@ def _hashes(eng, p):
 
 def test_another_model_never_reads_these_pages(model, tmp_path):
     p = prompt(4)
-    eng = engine(model, tmp_path)
-    try:
-        run_requests(eng, [p], N)
-        written(eng, 12)
-    finally:
-        eng.shutdown()
+    filed(model, tmp_path, p)
     other_model = make_tiny_model("llama", seed=1)  # the same architecture, other weights
     other = engine(other_model, tmp_path)
     try:
@@ -148,12 +149,7 @@ def test_quantized_pages_go_to_disk_as_they_are(tmp_path):
     model = make_tiny_model("qwen3", head_dim=32)
     p = prompt(5)
     kw = dict(kv_bits=8, kv_group_size=32)
-    eng = engine(model, tmp_path, **kw)
-    try:
-        run_requests(eng, [p], N)
-        written(eng, 12)
-    finally:
-        eng.shutdown()
+    filed(model, tmp_path, p, **kw)
     again = engine(model, tmp_path, **kw)
     try:
         (toks, last), = run_requests(again, [p], N)

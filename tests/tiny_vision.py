@@ -42,6 +42,17 @@ def write_random_weights(path: Path, config: dict, seed: int = 0, scale: float =
     return path
 
 
+def tiny_tokenizer(path: Path, tokens, placeholder: str):
+    """The default model's tokenizer with the family's image tokens, and a chat template
+    that renders an image part as `placeholder`, saved in `path` (made)."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
+    tok.add_special_tokens({"additional_special_tokens": list(tokens)})
+    tok.chat_template = CHAT_TEMPLATE.replace("<start_of_image>", placeholder)
+    tok.save_pretrained(str(path))
+    return tok
+
+
 TINY_TEXT = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                  sliding_window_pattern=2)
@@ -53,11 +64,7 @@ def save_tiny_gemma3_vision(path: Path, seed: int = 0, tokens_per_image: int = 1
     """A Gemma 3 vision checkpoint: SigLIP tower (by default 2 layers), projector, a text
     model (by default 4 layers, sliding-window layers of window 8)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
-    tok.add_special_tokens({"additional_special_tokens": list(GEMMA3_TOKENS.values())})
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(path))
+    tok = tiny_tokenizer(path, GEMMA3_TOKENS.values(), "<start_of_image>")
     config_file = path / "tokenizer_config.json"
     tok_config = json.loads(config_file.read_text())
     tok_config["extra_special_tokens"] = GEMMA3_TOKENS
@@ -84,18 +91,14 @@ def save_tiny_gemma3_vision(path: Path, seed: int = 0, tokens_per_image: int = 1
 
 
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
-QWEN_TEMPLATE = CHAT_TEMPLATE.replace("<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
+QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def save_tiny_qwen2_5_vision(path: Path, seed: int = 0) -> Path:
     """A Qwen2.5-VL checkpoint: its windowed vision tower (2 blocks), patch merger, and a
     2-layer text model whose attention takes M-RoPE positions (sections 2/3/3)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
-    tok.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
-    tok.chat_template = QWEN_TEMPLATE
-    tok.save_pretrained(str(path))
+    tok = tiny_tokenizer(path, QWEN_TOKENS, QWEN_PLACEHOLDER)
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_TOKENS}
     config = {
         "model_type": "qwen2_5_vl", "vocab_size": len(tok), "hidden_size": 64, "num_hidden_layers": 2,
@@ -111,14 +114,20 @@ def save_tiny_qwen2_5_vision(path: Path, seed: int = 0) -> Path:
                           "fullatt_block_indexes": [1], "in_channels": 3},
     }
     (path / "config.json").write_text(json.dumps(config))
-    image = {"min_pixels": 112 * 112, "max_pixels": 112 * 168, "patch_size": 14, "temporal_patch_size": 2,
-             "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-             "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}
+    write_qwen_processor(path, "Qwen2_5_VLProcessor", "Qwen2VLImageProcessor", patch=14)
+    return write_random_weights(path, config, seed)
+
+
+def write_qwen_processor(path: Path, processor: str, image_processor: str, patch: int) -> None:
+    """Qwen-VL processor configs: images of 8 x 8 to 8 x 12 patches."""
+    side = 8 * patch
+    image = {"min_pixels": side * side, "max_pixels": side * side * 3 // 2, "patch_size": patch,
+             "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+             "image_processor_type": image_processor, "processor_class": processor}
     (path / "preprocessor_config.json").write_text(json.dumps(image))
     (path / "video_preprocessor_config.json").write_text(json.dumps({k: v for k, v in image.items()
                                                                       if k not in ("min_pixels", "max_pixels")}))
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
-    return write_random_weights(path, config, seed)
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": processor}))
 
 
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
@@ -130,11 +139,7 @@ def save_tiny_idefics3_vision(path: Path, seed: int = 0, model_type: str = "idef
     image tokens), a 2-layer llama."""
     processor = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[model_type]
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
-    tok.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
-    tok.chat_template = CHAT_TEMPLATE.replace("<start_of_image>", "<image>")
-    tok.save_pretrained(str(path))
+    tok = tiny_tokenizer(path, IDEFICS3_TOKENS, "<image>")
     vocab = len(tok)
     config = {
         "model_type": model_type, "image_token_id": tok.convert_tokens_to_ids("<image>"), "vocab_size": vocab,
@@ -164,11 +169,7 @@ def save_tiny_mistral3_vision(path: Path, seed: int = 0) -> Path:
     patch merger (2 x 2), a 2-layer Mistral text model; an image of up to 112 px is rows
     of [IMG] tokens ended by [IMG_BREAK], the last by [IMG_END]."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
-    tok.add_special_tokens({"additional_special_tokens": MISTRAL3_TOKENS})
-    tok.chat_template = CHAT_TEMPLATE.replace("<start_of_image>", "[IMG]")
-    tok.save_pretrained(str(path))
+    tok = tiny_tokenizer(path, MISTRAL3_TOKENS, "[IMG]")
     vocab = len(tok)
     config = {
         "model_type": "mistral3", "image_token_index": tok.convert_tokens_to_ids("[IMG]"), "vocab_size": vocab,
@@ -195,11 +196,7 @@ def save_tiny_qwen3_vision(path: Path, seed: int = 0) -> Path:
     embeddings) whose first block's merged patches also go into the text model's first
     layer (deepstack), and a 2-layer text model with M-RoPE (sections 2/3/3, interleaved)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
-    tok.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
-    tok.chat_template = QWEN_TEMPLATE
-    tok.save_pretrained(str(path))
+    tok = tiny_tokenizer(path, QWEN_TOKENS, QWEN_PLACEHOLDER)
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_TOKENS}
     config = {
         "model_type": "qwen3_vl", "vocab_size": len(tok), "tie_word_embeddings": False,
@@ -218,15 +215,8 @@ def save_tiny_qwen3_vision(path: Path, seed: int = 0) -> Path:
                           "deepstack_visual_indexes": [0]},
     }
     (path / "config.json").write_text(json.dumps(config))
-    image = {"min_pixels": 128 * 128, "max_pixels": 128 * 192, "patch_size": 16, "temporal_patch_size": 2,
-             "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-             "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor"}
-    (path / "preprocessor_config.json").write_text(json.dumps(image))
-    (path / "video_preprocessor_config.json").write_text(json.dumps({k: v for k, v in image.items()
-                                                                      if k not in ("min_pixels", "max_pixels")}))
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
+    write_qwen_processor(path, "Qwen3VLProcessor", "Qwen2VLImageProcessorFast", patch=16)
     return write_random_weights(path, config, seed)
-
 
 
 def save_tiny_qwen3_5_vision(path: Path, seed: int = 0) -> Path:
