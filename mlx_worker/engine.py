@@ -234,16 +234,17 @@ class Engine:
         """The prefix cache's SSD tier where configured and possible (said in the log where not)."""
         if not config.prefix_cache_dir:
             return None
-        why_not = ("a model with recurrent layers (its state snapshots are not on disk yet)" if tree.states else
-                   "a replica over several Macs" if ranks else
+        why_not = ("a replica over several Macs" if ranks else
                    "a draft model or MTP heads (their KV is not on disk)" if drafter is not None else None)
         if why_not:
             log.warning("prefix_cache_dir is set, but not used for %s", why_not)
             return None
         disk = open_disk_tier(config.prefix_cache_dir, config.prefix_cache_max_bytes, model, self.pool,
-                              config.kv_bits)
+                              config.kv_bits, tree.states)
         if disk is not None:
             self.pages.listener = disk.published
+            if disk.states is not None:
+                self.snapshots.listener = disk.states.taken
         return disk
 
     def stats(self) -> dict:

@@ -3,7 +3,8 @@ are on disk soon after, without a shutdown, and another engine (a restart, or a 
 replica of the Mac beside it) reads them back as cached tokens with mlx-lm's greedy
 tokens; pages evicted from memory come back from disk; a damaged file is never served;
 another model never reads these pages; quantized pages go to disk as they are; a
-directory that cannot be used, or a disk whose writes fail, loses nothing."""
+directory that cannot be used, or a disk whose writes fail, loses nothing; a hybrid
+model's state snapshots go to disk and a restart resumes from them."""
 
 import random
 import time
@@ -193,3 +194,46 @@ def test_the_directory_stays_within_its_bytes(model, tmp_path):
         assert 0 < sum(f.stat().st_size for f in page_files(tmp_path)) <= 6 * 9000
     finally:
         eng.shutdown()
+
+
+def states_written(eng, n, timeout=30):
+    deadline = time.time() + timeout
+    while eng.stats()["prefix_cache_disk"]["states_written"] < n:
+        assert time.time() < deadline, eng.stats()["prefix_cache_disk"]
+        time.sleep(0.05)
+
+
+def test_a_hybrid_models_state_snapshots_go_to_disk_and_a_restart_resumes_there(tmp_path):
+    """A recurrent state can't be rebuilt from pages: the pages come back only as far as a
+    snapshot on disk, and a damaged snapshot is never served (computed again)."""
+    hybrid = make_tiny_model("qwen3_next")
+    p = prompt(4)
+    expected = reference_greedy(hybrid, p, N)
+    first = engine(hybrid, tmp_path)
+    try:
+        (toks, _), = run_requests(first, [p], N)
+        assert toks == expected
+        written(first, 12)
+        states_written(first, 1)  # the state after the prompt's last full page
+    finally:
+        first.shutdown()
+    again = engine(hybrid, tmp_path)
+    try:
+        (toks, last), = run_requests(again, [p], N)
+        assert toks == expected and last.num_cached_tokens == 12 * PAGE
+        disk = again.stats()["prefix_cache_disk"]
+        assert disk["states_loaded"] == 1 and disk["pages_loaded"] == 12
+        snapshot = again.disk.states.files.path(_hashes(again, p)[11])
+    finally:
+        again.shutdown()
+    data = bytearray(snapshot.read_bytes())
+    data[-5] ^= 0x01
+    snapshot.write_bytes(bytes(data))
+    third = engine(hybrid, tmp_path)
+    try:
+        (toks, last), = run_requests(third, [p], N)
+        assert toks == expected and last.num_cached_tokens == 0  # no other snapshot to resume from
+        assert third.stats()["prefix_cache_disk"]["damaged_states"] == 1
+        states_written(third, 1)  # computed and filed again
+    finally:
+        third.shutdown()

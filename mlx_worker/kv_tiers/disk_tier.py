@@ -5,7 +5,9 @@ lazy gather that runs on the device behind that step), and once that step is don
 writer thread files it (page_files.py): the engine step never waits for the disk. A
 request's pages on disk are read by reader threads from the moment it arrives; when it
 is admitted, the pages its prefix has on disk past those in memory are written back
-into the pool instead of being recomputed, and count as cached tokens.
+into the pool instead of being recomputed, and count as cached tokens. A model with
+recurrent layers files its state snapshots too (disk_states.py), and reads pages back
+only as far as a snapshot it can resume from.
 """
 
 import hashlib
@@ -23,8 +25,12 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..memory.kv_pool import KVPool
+from ..memory.model_caches import StateSpec
 from ..memory.page_manager import PageManager
-from .page_files import PageFiles, namespace
+from ..memory.recurrent_state import RowState
+from ..memory.state_snapshots import StateSnapshots
+from .disk_states import DiskStates, state_layout
+from .page_files import PageFiles, namespace, numpy_dtype
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +40,21 @@ KNOWN = 1 << 20  # hashes remembered as on disk (never copied out again)
 
 
 class Capture:
-    """Copies of pages published since the last step, and the hashes they are filed under."""
+    """Copies of pages published (and state snapshots taken) since the last step, and the
+    hashes they are filed under."""
 
-    def __init__(self, hashes: List[int], arrays: List[mx.array]):
+    def __init__(self, hashes: List[int], arrays: List[mx.array], state_hashes: List[int],
+                 states: List[List[mx.array]]):
         self.hashes, self.arrays = hashes, arrays
+        self.state_hashes, self.states = state_hashes, states
 
 
 class DiskTier:
-    def __init__(self, pool: KVPool, files: PageFiles, max_bytes: int, readers: int = 4):
+    def __init__(self, pool: KVPool, files: PageFiles, max_bytes: int, readers: int = 4,
+                 states: Optional[DiskStates] = None):
         self.pool = pool
         self.files = files
+        self.states = states  # a model with recurrent layers: its state snapshots
         self.max_bytes = max_bytes
         self.page_bytes = files.file_bytes
         self._pending: List[Tuple[int, int]] = []  # (page, hash) published, not yet copied out
@@ -71,25 +82,32 @@ class DiskTier:
         self._take_news()
         keep = [(p, h) for p, h in self._pending if pages.hash_of.get(p) == h]
         self._pending = []
-        if not keep:
+        state_hashes, states = self.states.capture() if self.states is not None else ([], [])
+        if not keep and not states:
             return None
-        if self._queued_bytes + len(keep) * self.page_bytes > MAX_QUEUED_BYTES:
+        if self._queued_bytes + self._bytes(keep, states) > MAX_QUEUED_BYTES:
             self.pages_skipped += len(keep)  # the disk is behind: these stay in memory only
             return None
-        P = self.pool.page_size
-        slots = mx.array((np.array([p for p, _ in keep])[:, None] * P + np.arange(P)).reshape(-1).astype(np.int32))
-        arrays = [_host_view(a[:, slots]) for a in self.pool.arrays()]
-        mx.async_eval(*arrays)
+        arrays = []
+        if keep:
+            P = self.pool.page_size
+            slots = mx.array((np.array([p for p, _ in keep])[:, None] * P + np.arange(P)).reshape(-1).astype(np.int32))
+            arrays = [_host_view(a[:, slots]) for a in self.pool.arrays()]
+        mx.async_eval(*arrays, *[a for s in states for a in s])
         for _, h in keep:
             self._remember(h)
-        return Capture([h for _, h in keep], arrays)
+        return Capture([h for _, h in keep], arrays, state_hashes, states)
+
+    def _bytes(self, pages: list, states: list) -> int:
+        return len(pages) * self.page_bytes + (len(states) * self.states.nbytes if states else 0)
 
     def save(self, capture: Capture) -> None:
         """Hand a capture to the writer once the step that computed its pages is done."""
         host = [np.array(a) for a in capture.arrays]
+        states = [[np.array(a) for a in s] for s in capture.states]
         with self._lock:
-            self._queued_bytes += len(capture.hashes) * self.page_bytes
-        self._queue.put((capture.hashes, host))
+            self._queued_bytes += self._bytes(capture.hashes, states)
+        self._queue.put((capture.hashes, host, capture.state_hashes, states))
 
     def _write_loop(self) -> None:
         try:
@@ -105,25 +123,35 @@ class DiskTier:
             if isinstance(item, threading.Event):  # flush()
                 item.set()
                 continue
-            hashes, host = item
+            hashes, host, state_hashes, states = item
             for i, h in enumerate(hashes):
-                try:
-                    if self.files.write(h, [a[:, i * P : (i + 1) * P] for a in host]):
-                        self.pages_written += 1
-                        self.bytes_on_disk += self.page_bytes
-                except OSError as e:  # a full or failing disk: the page stays in memory only
-                    self.write_errors += 1
+                written = self._write(lambda: self.files.write(h, [a[:, i * P : (i + 1) * P] for a in host]))
+                if written:
+                    self.pages_written += 1
+                    self.bytes_on_disk += self.page_bytes
+                elif written is None:
                     self._news.append((h, False))
-                    if self.write_errors == 1 or self.write_errors % 1000 == 0:
-                        log.warning("prefix cache: writing a page failed (%s); %d failures so far", e,
-                                    self.write_errors)
+            for h, arrays in zip(state_hashes, states):
+                if self._write(lambda: self.states.write(h, arrays)):
+                    self.bytes_on_disk += self.states.nbytes
             with self._lock:
-                self._queued_bytes -= len(hashes) * self.page_bytes
+                self._queued_bytes -= self._bytes(hashes, states)
             if self.bytes_on_disk > self.max_bytes:
                 try:
                     self.bytes_on_disk = self.files.evict(self.max_bytes)
                 except OSError as e:
                     log.warning("prefix cache: eviction failed (%s)", e)
+
+    def _write(self, write) -> Optional[bool]:
+        """Run one file's write: True if written, False if it was there already, None if it
+        failed (a full or failing disk: what it held stays in memory only)."""
+        try:
+            return write()
+        except OSError as e:
+            self.write_errors += 1
+            if self.write_errors == 1 or self.write_errors % 1000 == 0:
+                log.warning("prefix cache: writing a file failed (%s); %d failures so far", e, self.write_errors)
+            return None
 
     def _take_news(self) -> None:
         while self._news:
@@ -137,6 +165,8 @@ class DiskTier:
         """The newest `limit` pages on disk by this tier's account (those it wrote or read,
         and those it found at start), oldest first: for the router. On the engine thread."""
         self._take_news()
+        if self.states is not None:  # a model with recurrent layers resumes only at a snapshot
+            return self.states.hashes(limit)
         return list(itertools.islice(reversed(self._known), limit))[::-1]
 
     def _remember(self, h: int) -> None:
@@ -190,7 +220,7 @@ class DiskTier:
             if len(run) < READ_RUN:
                 break
         self._take_news()
-        data = data[start - first :]
+        data = data[start - first : len(hashes) - first]  # the prefetch may have read further
         if not data:
             return []
         new = pages.allocate(min(len(data), pages.available()))
@@ -206,6 +236,21 @@ class DiskTier:
             pages.hit_tokens += len(new) * pages.page_size
         return new
 
+    def deepest_snapshot(self, hashes: Sequence[int], cached: int, above: int,
+                         snapshots: StateSnapshots) -> Optional[Tuple[int, RowState]]:
+        """For a model with recurrent layers: the deepest k > `above` such that the first k
+        pages of `hashes` are in memory (the first `cached`) or on disk, and the state
+        after them is a snapshot in memory or on disk; (k, that state), or None."""
+        top = cached
+        while top < len(hashes) and self.files.has(hashes[top]):
+            top += 1
+        for k in range(top, above, -1):
+            h = hashes[k - 1]
+            state = snapshots.take(h) if h in snapshots else self.states.read(h) if self.states.has(h) else None
+            if state is not None:
+                return k, state
+        return None
+
     def load(self, new: List[int], data: List[List[np.ndarray]]) -> None:
         P = self.pool.page_size
         slots = mx.array((np.array(new)[:, None] * P + np.arange(P)).reshape(-1).astype(np.int32))
@@ -217,6 +262,8 @@ class DiskTier:
         return {"dir": str(self.files.dir), "hit_tokens": self.hit_tokens, "pages_loaded": self.pages_loaded,
                 "pages_written": self.pages_written, "pages_not_saved": self.pages_skipped,
                 "write_errors": self.write_errors, "damaged_pages": self.files.num_corrupt,
+                **({"states_written": self.states.written, "states_loaded": self.states.loaded,
+                    "damaged_states": self.states.files.num_corrupt} if self.states is not None else {}),
                 "bytes": self.bytes_on_disk, "max_bytes": self.max_bytes}
 
 
@@ -227,11 +274,7 @@ def _host_view(a: mx.array) -> mx.array:
 
 def page_layout(pool: KVPool) -> List[Tuple[tuple, np.dtype]]:
     """(shape, NumPy dtype) of each pool array's share of one page."""
-    out = []
-    for a in pool.arrays():
-        dtype = np.uint16 if a.dtype == mx.bfloat16 else np.dtype(str(a.dtype).split(".")[-1])
-        out.append(((a.shape[0], pool.page_size, a.shape[2]), dtype))
-    return out
+    return [((a.shape[0], pool.page_size, a.shape[2]), numpy_dtype(a.dtype)) for a in pool.arrays()]
 
 
 def model_fingerprint(model) -> str:
@@ -247,15 +290,22 @@ def model_fingerprint(model) -> str:
     return m.hexdigest()
 
 
-def open_disk_tier(directory: str, max_bytes: int, model, pool: KVPool, kv_bits: Optional[int]):
-    """The tier over `directory` for this model and pool, or None when the directory
-    cannot be used (said in the log: the engine serves without it)."""
+def open_disk_tier(directory: str, max_bytes: int, model, pool: KVPool, kv_bits: Optional[int],
+                   state_specs: Sequence[StateSpec] = ()):
+    """The tier over `directory` for this model and pool (and recurrent layers' states),
+    or None when the directory cannot be used (said in the log: the engine serves without it)."""
     layout = page_layout(pool)
-    space = namespace({"model": model_fingerprint(model), "page_size": pool.page_size, "kv_bits": kv_bits,
-                       "layout": [(shape, d.str) for shape, d in layout]})
+    key = {"model": model_fingerprint(model), "page_size": pool.page_size, "kv_bits": kv_bits,
+           "layout": [(shape, d.str) for shape, d in layout]}
+    root = os.path.expanduser(directory)
     try:
-        files = PageFiles(os.path.expanduser(directory), space, layout)
+        files = PageFiles(root, namespace(key), layout)
+        states = None
+        if state_specs:
+            slayout = state_layout(state_specs)
+            space = namespace({**key, "states": [(shape, d.str) for shape, d in slayout]})
+            states = DiskStates(PageFiles(root, space, slayout), state_specs)
     except OSError as e:
         log.error("prefix cache: %s cannot be used (%s); serving without the SSD tier", directory, e)
         return None
-    return DiskTier(pool, files, max_bytes)
+    return DiskTier(pool, files, max_bytes, states=states)

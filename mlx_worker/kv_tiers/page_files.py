@@ -28,6 +28,12 @@ HEADER = struct.Struct("<8sqQ16s")  # magic, page hash, payload bytes, blake2b-1
 STALE_TMP_S = 600  # a temporary file this old was left by a writer that died
 
 
+def numpy_dtype(dtype) -> np.dtype:
+    """The NumPy dtype an MLX dtype is filed as (bfloat16 has none: its bits, as uint16)."""
+    name = str(dtype).split(".")[-1]
+    return np.dtype(np.uint16) if name == "bfloat16" else np.dtype(name)
+
+
 def namespace(fingerprint: dict) -> str:
     """The directory name of one model and pool layout (any change gives another)."""
     text = repr(sorted(fingerprint.items())).encode()

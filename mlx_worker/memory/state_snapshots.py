@@ -19,6 +19,7 @@ class StateSnapshots:
         self._by_hash: "OrderedDict[int, RowState]" = OrderedDict()
         self.num_taken = self.num_evicted = 0
         self.version = 0  # changes whenever the set of snapshot hashes does
+        self.listener = None  # called with (hash, state) for each new snapshot (the SSD tier files it)
 
     def __len__(self) -> int:
         return len(self._by_hash)
@@ -36,6 +37,8 @@ class StateSnapshots:
         self._by_hash[page_hash] = state
         self.num_taken += 1
         self.version += 1
+        if self.listener is not None:
+            self.listener(page_hash, state)
         while len(self._by_hash) > self.capacity:
             self._by_hash.popitem(last=False)
             self.num_evicted += 1
@@ -47,6 +50,9 @@ class StateSnapshots:
         while n > 0 and hashes[n - 1] not in self._by_hash:
             n -= 1
         return n
+
+    def __contains__(self, page_hash: int) -> bool:
+        return page_hash in self._by_hash
 
     def take(self, page_hash: int) -> Optional[RowState]:
         state = self._by_hash.get(page_hash)

@@ -119,7 +119,7 @@ class Scheduler:
     def _prefetch_ahead(self) -> None:
         """The SSD tier reads the prefix pages of the next requests to admit while they
         wait (only the next few: what it reads is held in memory until then)."""
-        if self.disk is None or self.snapshots is not None:
+        if self.disk is None:
             return
         for seq in self.waiting[:PREFETCH_AHEAD]:
             if seq.disk_reads is None and not seq.pages and self._matches_prefix(seq):
@@ -296,19 +296,35 @@ class Scheduler:
         first = seq.num_preemptions == 0
         hashes = seq.full_page_hashes(n_pages)
         if self.snapshots is not None:
-            depth = self.snapshots.resumable(hashes, self.pages.page_of)
-            cached = self.pages.cached_depth(hashes)
-            seq.branch_point = cached * self.page_size if cached > depth else 0
-            hashes = hashes[:depth]
-            seq.state = self.snapshots.take(hashes[-1]) if hashes else None
+            hashes = self._resume_point(seq, hashes)
         seq.pages = self.pages.match(hashes, seq.num_tokens if first else 0, count=first)
-        if self.disk is not None and self.snapshots is None:
+        if self.disk is not None:
             seq.pages += self.disk.take(self.pages, hashes, len(seq.pages), seq.disk_reads, count=first)
             seq.disk_reads = None
+            if self.snapshots is not None and len(seq.pages) < len(hashes):  # no room, or a file went bad
+                keep = self.snapshots.resumable(hashes[: len(seq.pages)], self.pages.page_of)
+                self.pages.release(seq.pages[keep:])
+                seq.pages = seq.pages[:keep]
+                seq.state = self.snapshots.take(hashes[keep - 1]) if keep else None
         seq.num_published = len(seq.pages)
         seq.num_computed = len(seq.pages) * self.page_size
         if first:
             seq.num_cached = seq.num_computed
+
+    def _resume_point(self, seq: Sequence, hashes: List[int]) -> List[int]:
+        """A model with recurrent layers resumes only where a state snapshot was taken: the
+        hashes up to the deepest one whose pages are all cached (in memory, or on the SSD),
+        its state in `seq.state`."""
+        depth = self.snapshots.resumable(hashes, self.pages.page_of)
+        cached = self.pages.cached_depth(hashes)
+        seq.state = self.snapshots.take(hashes[depth - 1]) if depth else None
+        if self.disk is not None:
+            found = self.disk.deepest_snapshot(hashes, cached, depth, self.snapshots)
+            if found is not None:
+                depth, seq.state = found
+                self.snapshots.put(hashes[depth - 1], seq.state)
+        seq.branch_point = cached * self.page_size if cached > depth else 0
+        return hashes[:depth]
 
     def _publish(self, seq: Sequence) -> None:
         """Publish the full pages whose tokens are known and whose KV is scheduled."""
