@@ -1,8 +1,8 @@
 """Images in prompts: a vision-language checkpoint (mlx-vlm's classes: a tiny random
 Gemma 3, a Qwen2.5-VL, whose M-RoPE positions the engine makes per row, a Qwen3-VL, whose
 first layers add image features too (deepstack), a Qwen3.5 (hybrid: recurrent layers
-between the attention ones), an Idefics3, a SmolVLM and a Mistral 3
-with its Pixtral tower)
+between the attention ones), an Idefics3, a SmolVLM, a Mistral 3 with its Pixtral
+tower and a Pixtral)
 served by the engine gives mlx-vlm's own greedy tokens, alone and batched with text and
 other images, with prefill chunks across the image tokens and prefix hits, and a page
 that shows an image matches only a page that shows the same image."""
@@ -15,7 +15,8 @@ from conftest import collect
 from PIL import Image
 from tiny_models import make_tiny_model
 from tiny_vision import (save_tiny_gemma3_vision, save_tiny_idefics3_vision, save_tiny_mistral3_vision,
-                         save_tiny_qwen2_5_vision, save_tiny_qwen3_5_vision, save_tiny_qwen3_vision)
+                         save_tiny_pixtral_vision, save_tiny_qwen2_5_vision, save_tiny_qwen3_5_vision,
+                         save_tiny_qwen3_vision)
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 from mlx_worker.memory.paging import page_hashes
@@ -25,13 +26,13 @@ N = 10
 
 
 @pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3",
-                                                "smolvlm", "mistral3"])
+                                                "smolvlm", "mistral3", "pixtral"])
 def checkpoint(request, tmp_path_factory):
     save = {"gemma3": save_tiny_gemma3_vision, "qwen2_5_vl": save_tiny_qwen2_5_vision,
             "idefics3": save_tiny_idefics3_vision,
             "smolvlm": lambda path: save_tiny_idefics3_vision(path, model_type="smolvlm"),
             "mistral3": save_tiny_mistral3_vision, "qwen3_vl": save_tiny_qwen3_vision,
-            "qwen3_5": save_tiny_qwen3_5_vision}[request.param]
+            "qwen3_5": save_tiny_qwen3_5_vision, "pixtral": save_tiny_pixtral_vision}[request.param]
     return str(save(tmp_path_factory.mktemp(request.param)))
 
 
@@ -109,7 +110,7 @@ def test_a_second_turn_with_the_same_image_is_a_prefix_hit_and_another_image_nev
     eng = Engine(EngineConfig(model=checkpoint, max_total_tokens=4096))
     try:
         lead = "A long description of the scene comes first, so that the first page is text only:"
-        first = [user(lead, None, "What is it?")]
+        first = [user(lead, None, "What is it? Say it in a few words, and then say what colour it is.")]
         (toks, last), = run(eng, [request(eng, "t1", first, [picture(5)])])
         assert toks == reference(first, [picture(5)]) and last.num_cached_tokens == 0
         answer = eng.tokenizer.decode(toks)
@@ -118,7 +119,7 @@ def test_a_second_turn_with_the_same_image_is_a_prefix_hit_and_another_image_nev
         (toks, last), = run(eng, [req])
         assert toks == reference(second, [picture(5)])
         span_end = req.images.spans[0][1]
-        assert last.num_cached_tokens >= span_end // 16 * 16 + 16  # past the image's pages
+        assert last.num_cached_tokens >= span_end // 16 * 16 + 16  # past the image's pages (the question fills one)
         # The same words about another picture: only the text-only pages before it hit.
         other = request(eng, "t3", second, [picture(6)])
         (toks, last), = run(eng, [other])

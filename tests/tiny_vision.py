@@ -191,6 +191,32 @@ def save_tiny_mistral3_vision(path: Path, seed: int = 0) -> Path:
     return write_random_weights(path, config, seed)
 
 
+def save_tiny_pixtral_vision(path: Path, seed: int = 0) -> Path:
+    """A Pixtral (12B's layout) checkpoint: its tower (2 layers, 16 px patches, no merge),
+    a two-layer projector and a 2-layer Mistral text model; Mistral 3's image tokens."""
+    path = Path(path)
+    tok = tiny_tokenizer(path, MISTRAL3_TOKENS, "[IMG]")
+    vocab = len(tok)
+    config = {
+        "model_type": "pixtral", "image_token_index": tok.convert_tokens_to_ids("[IMG]"), "vocab_size": vocab,
+        "eos_token_id": [tok.eos_token_id],
+        "text_config": dict(model_type="mistral", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                            vocab_size=vocab, rope_theta=1e6, max_position_embeddings=4096),
+        "vision_config": dict(model_type="pixtral", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                              num_attention_heads=2, head_dim=16, patch_size=16, image_size=96),
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+        "patch_size": {"height": 16, "width": 16}, "size": {"longest_edge": 96}, "do_resize": True,
+        "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "PixtralProcessor",
+                                                             "spatial_merge_size": 1, "patch_size": 16}))
+    return write_random_weights(path, config, seed)
+
+
 def save_tiny_qwen3_vision(path: Path, seed: int = 0) -> Path:
     """A Qwen3-VL checkpoint: its vision tower (2 blocks, 16 px patches, learned position
     embeddings) whose first block's merged patches also go into the text model's first

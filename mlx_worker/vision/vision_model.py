@@ -19,7 +19,7 @@ from .prompt import vision_prompt
 # The vision families served: their language models take the engine's per-row positions
 # as they are (one RoPE position a token), or M-RoPE positions (Qwen-VL: three a token,
 # from the images' grids) that `position_ids` makes per row, never kept in module state.
-FAMILIES = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3", "smolvlm", "mistral3")
+FAMILIES = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3", "smolvlm", "mistral3", "pixtral")
 
 
 def is_vision_checkpoint(spec: str) -> bool:

@@ -1,0 +1,23 @@
+"""Pixtral: the tower's patches of each image (its own size, `image_sizes`) through the
+projector, (rows * cols, hidden) an image; a prompt's images one after another."""
+
+from typing import Dict, List
+
+import mlx.core as mx
+import numpy as np
+
+
+def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]:
+    """The images `which` in one call of the tower (all of a prompt's: as mlx-vlm calls it)."""
+    sizes = arrays["image_sizes"][mx.array(which)]
+    pixels = arrays["pixel_values"][mx.array(which)].transpose(0, 2, 3, 1)
+    *_, hidden = vlm.vision_tower(pixels, output_hidden_states=True, image_sizes=sizes)
+    features = vlm.multi_modal_projector(hidden[vlm.vision_feature_layer])
+    features = features.reshape(-1, features.shape[-1])
+    patch = vlm.config.vision_config.patch_size
+    ends = np.cumsum([(int(h) // patch) * (int(w) // patch) for h, w in np.array(sizes)])
+    return [features[int(a) : int(b)] for a, b in zip([0, *ends[:-1]], ends)]
+
+
+def join(features: List[mx.array]) -> mx.array:
+    return mx.concatenate(features)
