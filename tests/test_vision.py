@@ -2,7 +2,7 @@
 Gemma 3, a Qwen2.5-VL, whose M-RoPE positions the engine makes per row, a Qwen3-VL, whose
 first layers add image features too (deepstack), a Qwen3.5 (hybrid: recurrent layers
 between the attention ones), an Idefics3, a SmolVLM, a Mistral 3 with its Pixtral
-tower and a Pixtral)
+tower, a Pixtral and an LFM2-VL (hybrid too, its images tiled))
 served by the engine gives mlx-vlm's own greedy tokens, alone and batched with text and
 other images, with prefill chunks across the image tokens and prefix hits, and a page
 that shows an image matches only a page that shows the same image."""
@@ -15,8 +15,8 @@ from conftest import collect
 from PIL import Image
 from tiny_models import make_tiny_model
 from tiny_vision import (save_tiny_gemma3_vision, save_tiny_idefics3_vision, save_tiny_mistral3_vision,
-                         save_tiny_pixtral_vision, save_tiny_qwen2_5_vision, save_tiny_qwen3_5_vision,
-                         save_tiny_qwen3_vision)
+                         save_tiny_lfm2_vl_vision, save_tiny_pixtral_vision, save_tiny_qwen2_5_vision,
+                         save_tiny_qwen3_5_vision, save_tiny_qwen3_vision)
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 from mlx_worker.memory.paging import page_hashes
@@ -26,13 +26,14 @@ N = 10
 
 
 @pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3",
-                                                "smolvlm", "mistral3", "pixtral"])
+                                                "smolvlm", "mistral3", "pixtral", "lfm2_vl"])
 def checkpoint(request, tmp_path_factory):
     save = {"gemma3": save_tiny_gemma3_vision, "qwen2_5_vl": save_tiny_qwen2_5_vision,
             "idefics3": save_tiny_idefics3_vision,
             "smolvlm": lambda path: save_tiny_idefics3_vision(path, model_type="smolvlm"),
             "mistral3": save_tiny_mistral3_vision, "qwen3_vl": save_tiny_qwen3_vision,
-            "qwen3_5": save_tiny_qwen3_5_vision, "pixtral": save_tiny_pixtral_vision}[request.param]
+            "qwen3_5": save_tiny_qwen3_5_vision, "pixtral": save_tiny_pixtral_vision,
+            "lfm2_vl": save_tiny_lfm2_vl_vision}[request.param]
     return str(save(tmp_path_factory.mktemp(request.param)))
 
 

@@ -30,7 +30,7 @@ GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_to
 def write_random_weights(path: Path, config: dict, seed: int = 0, scale: float = WEIGHT_SCALE) -> Path:
     """mlx-vlm's own model class of `config` (its text config at the root, as Qwen's, or
     under text_config) with random weights, saved as the checkpoint's."""
-    module = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
+    module = importlib.import_module(f"mlx_vlm.models.{config['model_type'].replace('-', '_')}")
     model_config = module.ModelConfig.from_dict(dict(config))
     model_config.text_config = module.TextConfig.from_dict(config.get("text_config", model_config.text_config))
     model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
@@ -261,4 +261,37 @@ def save_tiny_qwen3_5_vision(path: Path, seed: int = 0) -> Path:
                             "partial_rotary_factor": 0.5, "mrope_interleaved": True}}
     config["vision_config"] = {**config["vision_config"], "model_type": "qwen3_5", "deepstack_visual_indexes": []}
     (path / "config.json").write_text(json.dumps(config))
+    return write_random_weights(path, config, seed)
+
+
+LFM2_VL_TOKENS = ["<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>",
+                  *[f"<|img_row_{r}_col_{c}|>" for r in range(1, 11) for c in range(1, 11)]]
+
+
+def save_tiny_lfm2_vl_vision(path: Path, seed: int = 0) -> Path:
+    """An LFM2-VL checkpoint: its SigLIP2 (NaFlex) tower (2 layers, 16 px patches), pixel
+    unshuffle (2 x 2) and projector, a hybrid LFM2 text model (short convolutions between
+    the attention layers); an image is tiled (with a thumbnail) when it is large."""
+    path = Path(path)
+    tok = tiny_tokenizer(path, LFM2_VL_TOKENS, "<image>")
+    vocab = len(tok)
+    config = {
+        "model_type": "lfm2-vl", "image_token_id": tok.convert_tokens_to_ids("<image>"), "vocab_size": vocab,
+        "eos_token_id": tok.eos_token_id, "downsample_factor": 2, "encoder_patch_size": 16,
+        "projector_hidden_size": 64, "min_image_tokens": 16, "max_image_tokens": 32, "tile_size": 64,
+        "text_config": dict(model_type="lfm2", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab, conv_dim=64,
+                            conv_dim_out=64, block_dim=64, block_ff_dim=128, block_auto_adjust_ff_dim=False,
+                            eos_token_id=tok.eos_token_id, norm_eps=1e-5,
+                            layer_types=["conv", "full_attention", "conv", "full_attention"]),
+        "vision_config": dict(model_type="lfm2_vl", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, patch_size=16, num_patches=64),
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    image = {"downsample_factor": 2, "encoder_patch_size": 16, "min_image_tokens": 16, "max_image_tokens": 32,
+             "tile_size": 64, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+             "image_processor_type": "Siglip2ImageProcessor", "processor_class": "Lfm2VlProcessor"}
+    (path / "preprocessor_config.json").write_text(json.dumps(image))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Lfm2VlProcessor",
+                                                             "use_image_special_tokens": True}))
     return write_random_weights(path, config, seed)

@@ -2,6 +2,7 @@
 batched paged step like any text model, its vision tower turning a prompt's images into
 the embeddings that take the image tokens' places (mlx-vlm's `get_input_embeddings`)."""
 
+import inspect
 import json
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -19,7 +20,7 @@ from .prompt import vision_prompt
 # The vision families served: their language models take the engine's per-row positions
 # as they are (one RoPE position a token), or M-RoPE positions (Qwen-VL: three a token,
 # from the images' grids) that `position_ids` makes per row, never kept in module state.
-FAMILIES = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3", "smolvlm", "mistral3", "pixtral")
+FAMILIES = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3", "smolvlm", "mistral3", "pixtral", "lfm2-vl")
 
 
 def is_vision_checkpoint(spec: str) -> bool:
@@ -49,6 +50,8 @@ class VisionLanguageModel(nn.Module):
         self._features = image_features(vlm.config.model_type)
         self._cache = ImageCache(image_cache_bytes)
         self.mrope = hasattr(vlm.language_model, "get_rope_index")
+        body_args = inspect.signature(vlm.language_model.model.__call__).parameters
+        self._embeddings_arg = "inputs_embeds" if "inputs_embeds" in body_args else "input_embeddings"  # LFM2's
         config = vlm.config
         self._image_token_ids = [t for t in (getattr(config, "image_token_index", None),
                                              getattr(config, "video_token_index", None)) if t is not None]
@@ -64,7 +67,7 @@ class VisionLanguageModel(nn.Module):
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None,
                  position_ids: Optional[mx.array] = None, **deepstack) -> mx.array:
         if not self.mrope:
-            return self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache).logits
+            return self.language_model(inputs, inputs_embeds=input_embeddings, cache=_vlm_state_caches(cache)).logits
         lm = self.language_model
         out = self.body(inputs, cache, input_embeddings, position_ids, **deepstack)
         tied = getattr(getattr(lm, "args", None), "tie_word_embeddings", "lm_head" not in lm)
@@ -73,12 +76,12 @@ class VisionLanguageModel(nn.Module):
     def body(self, inputs: mx.array, cache, input_embeddings: Optional[mx.array] = None,
              position_ids: Optional[mx.array] = None, **deepstack) -> mx.array:
         """The final hidden states (the engine applies the head where it samples)."""
-        if not self.mrope:
-            return self.language_model.model(inputs, inputs_embeds=input_embeddings, cache=cache)
-        if position_ids is None:  # rows without images (the engine's probes): plain positions
-            position_ids = mx.array(plain_positions(cache, *inputs.shape))
-        return self.language_model.model(inputs, inputs_embeds=input_embeddings, cache=_vlm_state_caches(cache),
-                                         position_ids=position_ids, **deepstack)
+        kw = {self._embeddings_arg: input_embeddings}
+        if self.mrope:
+            if position_ids is None:  # rows without images (the engine's probes): plain positions
+                position_ids = mx.array(plain_positions(cache, *inputs.shape))
+            kw.update(position_ids=position_ids, **deepstack)
+        return self.language_model.model(inputs, cache=_vlm_state_caches(cache), **kw)
 
     def forward_kwargs(self, seqs, offsets, L: int, embeds: Optional[mx.array]) -> dict:
         """What a forward of these rows passes besides token ids: the rows' input embeddings
