@@ -50,7 +50,8 @@ class VisionLanguageModel(nn.Module):
         self._features = image_features(vlm.config.model_type)
         self._cache = ImageCache(image_cache_bytes)
         self.mrope = hasattr(vlm.language_model, "get_rope_index")
-        body_args = inspect.signature(vlm.language_model.model.__call__).parameters
+        body = getattr(vlm.language_model, "model", None)  # Idefics3's text model has no separate body
+        body_args = inspect.signature(body.__call__).parameters if body is not None else {}
         self._embeddings_arg = "inputs_embeds" if "inputs_embeds" in body_args else "input_embeddings"  # LFM2's
         config = vlm.config
         self._image_token_ids = [t for t in (getattr(config, "image_token_index", None),
