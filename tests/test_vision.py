@@ -15,7 +15,7 @@ from conftest import collect
 from PIL import Image
 from tiny_models import make_tiny_model
 from tiny_vision import (save_tiny_gemma3_vision, save_tiny_idefics3_vision, save_tiny_mistral3_vision,
-                         save_tiny_lfm2_vl_vision, save_tiny_pixtral_vision, save_tiny_qwen2_5_vision,
+                         save_tiny_lfm2_vl_vision, save_tiny_qwen2_5_vision,
                          save_tiny_qwen3_5_vision, save_tiny_qwen3_vision)
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
@@ -32,7 +32,8 @@ def checkpoint(request, tmp_path_factory):
             "idefics3": save_tiny_idefics3_vision,
             "smolvlm": lambda path: save_tiny_idefics3_vision(path, model_type="smolvlm"),
             "mistral3": save_tiny_mistral3_vision, "qwen3_vl": save_tiny_qwen3_vision,
-            "qwen3_5": save_tiny_qwen3_5_vision, "pixtral": save_tiny_pixtral_vision,
+            "qwen3_5": save_tiny_qwen3_5_vision,
+            "pixtral": lambda path: save_tiny_mistral3_vision(path, model_type="pixtral"),
             "lfm2_vl": save_tiny_lfm2_vl_vision}[request.param]
     return str(save(tmp_path_factory.mktemp(request.param)))
 
@@ -169,8 +170,8 @@ def test_an_image_sent_again_past_another_prefix_is_not_encoded_again(checkpoint
     from mlx_worker.vision.image_features import image_features
 
     if image_features(json.loads((Path(checkpoint) / "config.json").read_text())["model_type"]) is None:
-        pytest.skip("no image cache for this family yet (Idefics3, SmolVLM: an image's crops are not told "
-                    "apart; Qwen3-VL: mlx-vlm's cached features drop the deepstack ones)")
+        pytest.skip("no image cache for this family yet (Idefics3, SmolVLM, LFM2-VL: an image's crops or "
+                    "tiles are not told apart)")
     eng = Engine(EngineConfig(model=checkpoint, max_total_tokens=4096))
     try:
         first = [user("First words.", None, "What is it?")]

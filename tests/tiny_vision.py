@@ -164,56 +164,33 @@ def save_tiny_idefics3_vision(path: Path, seed: int = 0, model_type: str = "idef
 MISTRAL3_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 
 
-def save_tiny_mistral3_vision(path: Path, seed: int = 0) -> Path:
+def save_tiny_mistral3_vision(path: Path, seed: int = 0, model_type: str = "mistral3") -> Path:
     """A Mistral Small 3 checkpoint: Pixtral tower (2 layers, 14 px patches, 2-D RoPE),
     patch merger (2 x 2), a 2-layer Mistral text model; an image of up to 112 px is rows
-    of [IMG] tokens ended by [IMG_BREAK], the last by [IMG_END]."""
+    of [IMG] tokens ended by [IMG_BREAK], the last by [IMG_END]. Or (`pixtral`) a Pixtral
+    (12B's layout): 16 px patches, no merge, a two-layer projector."""
     path = Path(path)
     tok = tiny_tokenizer(path, MISTRAL3_TOKENS, "[IMG]")
     vocab = len(tok)
+    patch, merge, size = (14, 2, 112) if model_type == "mistral3" else (16, 1, 96)
+    processor = {"mistral3": "Mistral3Processor", "pixtral": "PixtralProcessor"}[model_type]
     config = {
-        "model_type": "mistral3", "image_token_index": tok.convert_tokens_to_ids("[IMG]"), "vocab_size": vocab,
-        "spatial_merge_size": 2, "eos_token_id": [tok.eos_token_id],
+        "model_type": model_type, "image_token_index": tok.convert_tokens_to_ids("[IMG]"), "vocab_size": vocab,
+        "eos_token_id": [tok.eos_token_id], **({"spatial_merge_size": merge} if merge > 1 else {}),
         "text_config": dict(model_type="mistral", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
                             vocab_size=vocab, rope_theta=1e6, max_position_embeddings=4096),
         "vision_config": dict(model_type="pixtral", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                              num_attention_heads=2, head_dim=16, patch_size=14, image_size=112),
+                              num_attention_heads=2, head_dim=16, patch_size=patch, image_size=size),
     }
     (path / "config.json").write_text(json.dumps(config))
     (path / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "PixtralImageProcessor", "processor_class": "Mistral3Processor",
-        "patch_size": {"height": 14, "width": 14}, "size": {"longest_edge": 112}, "do_resize": True,
+        "image_processor_type": "PixtralImageProcessor", "processor_class": processor,
+        "patch_size": {"height": patch, "width": patch}, "size": {"longest_edge": size}, "do_resize": True,
         "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}))
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Mistral3Processor",
-                                                             "spatial_merge_size": 2, "patch_size": 14}))
-    return write_random_weights(path, config, seed)
-
-
-def save_tiny_pixtral_vision(path: Path, seed: int = 0) -> Path:
-    """A Pixtral (12B's layout) checkpoint: its tower (2 layers, 16 px patches, no merge),
-    a two-layer projector and a 2-layer Mistral text model; Mistral 3's image tokens."""
-    path = Path(path)
-    tok = tiny_tokenizer(path, MISTRAL3_TOKENS, "[IMG]")
-    vocab = len(tok)
-    config = {
-        "model_type": "pixtral", "image_token_index": tok.convert_tokens_to_ids("[IMG]"), "vocab_size": vocab,
-        "eos_token_id": [tok.eos_token_id],
-        "text_config": dict(model_type="mistral", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                            vocab_size=vocab, rope_theta=1e6, max_position_embeddings=4096),
-        "vision_config": dict(model_type="pixtral", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                              num_attention_heads=2, head_dim=16, patch_size=16, image_size=96),
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    (path / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
-        "patch_size": {"height": 16, "width": 16}, "size": {"longest_edge": 96}, "do_resize": True,
-        "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}))
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "PixtralProcessor",
-                                                             "spatial_merge_size": 1, "patch_size": 16}))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": processor,
+                                                             "spatial_merge_size": merge, "patch_size": patch}))
     return write_random_weights(path, config, seed)
 
 

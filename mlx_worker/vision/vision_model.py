@@ -149,6 +149,8 @@ class VisionLanguageModel(nn.Module):
         out = self.vlm.get_input_embeddings(ids, arrays.pop("pixel_values"), mask=mx.ones(ids.shape, mx.int32),
                                             **arrays, **cached)
         deepstack = getattr(out, "deepstack_visual_embeds", None)
+        if deepstack is None and hasattr(self._features, "deepstack"):  # mlx-vlm's cached path drops them
+            deepstack = self._features.deepstack(features)
         if deepstack is None:
             return out.inputs_embeds[0]
         # Deepstack: per layer, the features it adds at the image tokens, kept beside the
