@@ -106,8 +106,8 @@ class Engine:
         self.activation_bytes = activation_budget(model, config.max_batched_tokens, config.max_running_requests,
                                                   self.vocab_size)
         # The decode batch's copies from the pool run before a step, never beside one: its activation
-        # budget. Staging copies full-precision KV; quantized pages are read in place.
-        staging_bytes = 0 if quantization else int(config.decode_staging_fraction * budget)
+        # budget.
+        staging_bytes = int(config.decode_staging_fraction * budget)
         self.worker = Worker(model, self.pool, tree, self.vocab_size, sorted(eos), staging_bytes, self.snapshots,
                              self.batching,
                              scratch_bytes=self.activation_bytes, adapters=self.adapters, draft=drafter_model)

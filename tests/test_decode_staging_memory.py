@@ -63,7 +63,7 @@ def assert_rows_hold_their_history(pool, ordered, kv):
         slots = np.array([seq.pages[p // PAGE] * PAGE + p % PAGE for p in range(pos)])
         for layer in (0, LAYERS - 1):
             want = np.array(pool.keys[layer])[:, slots]
-            assert np.array_equal(np.array(kv.keys[layer][slot, :, :pos]), want), (slot, layer)
+            assert np.array_equal(np.array(kv.keys[layer][0][slot, :, :pos]), want), (slot, layer)
 
 
 def test_rebuilding_for_a_bigger_batch_holds_only_the_new_arrays():

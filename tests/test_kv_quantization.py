@@ -1,7 +1,8 @@
 """Quantized KV pages (`engine.kv_bits`): the engine's greedy tokens equal mlx-lm's own
 generation with its `QuantizedKVCache` at the same bits and group size (from the first
 token: `prompt_cache` of quantized caches), alone, batched, in prefill chunks and on
-prefix hits, for a plain and a hybrid model; the pool's bytes a token shrink as the
+prefix hits, for a plain and a hybrid model, decode reading the staged (quantized) copy of
+the batch's KV or gathering from the pool; the pool's bytes a token shrink as the
 bits say; head dims that no group size divides are refused at startup."""
 
 import random
@@ -37,10 +38,11 @@ def model(request):
     return make_tiny_model(request.param, head_dim=32)  # group sizes start at 32
 
 
+@pytest.mark.parametrize("staging", [0.5, 0.0], ids=["staged-decode-kv", "gathered-decode-kv"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_tokens_equal_mlx_lms_quantized_cache_batched_chunked_and_on_prefix_hits(model, bits):
-    eng = Engine(EngineConfig(max_total_tokens=4096, kv_bits=bits, kv_group_size=GROUP, max_batched_tokens=48),
-                 model=model)
+def test_tokens_equal_mlx_lms_quantized_cache_batched_chunked_and_on_prefix_hits(model, bits, staging):
+    eng = Engine(EngineConfig(max_total_tokens=4096, kv_bits=bits, kv_group_size=GROUP, max_batched_tokens=48,
+                              decode_staging_fraction=staging), model=model)
     try:
         first = prompts(bits, (5, 40, 77, 130))
         outs = run_requests(eng, first, N)
@@ -53,6 +55,7 @@ def test_tokens_equal_mlx_lms_quantized_cache_batched_chunked_and_on_prefix_hits
             assert toks == quantized_reference(model, p, bits)
         assert sum(last.num_cached_tokens for _, last in outs) >= 3 * 32
         assert eng.stats()["kv_bits"] == bits and eng.stats()["kv_pages_used"] == 0
+        assert (eng.stats()["decode_steps_staged"] > 0) == (staging > 0)  # the decode path under test ran
     finally:
         eng.shutdown()
 

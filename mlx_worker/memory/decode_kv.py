@@ -14,6 +14,10 @@ an array before a write to it in one graph makes MLX copy the whole array. They 
 group of layers at a time, so what they hold in flight stays within `scratch_bytes`
 (the engine gives them the step's activation budget: no step runs beside them).
 
+Quantized pools (`kv_bits`) are staged as they are stored: each of a layer's K and V
+is its parts (packed values, scales, biases), each staged alike, and a step quantizes
+its new token as the pool does.
+
 The arrays are kept while the batch fits them. When it outgrows them they are rebuilt,
 not grown: the old arrays go first and every row is gathered again from the pool, a
 group of layers at a time, so staging never holds more than `max_bytes` (growing by
@@ -27,11 +31,16 @@ from typing import Sequence as Seq
 import mlx.core as mx
 import numpy as np
 
-from .kv_pool import KVPool, kv_bytes_per_token
+from .kv_pool import KVPool
 from .paged_cache import BatchLayout
 
 CAPACITY_STEP = 256  # positions added at a time, as mlx-lm's KVCache
 SLOT_STEP = 8  # slots added at a time
+
+
+def _parts(x) -> tuple:
+    """A K or V as read from the pool: its parts (one array, or a quantized triplet)."""
+    return x if isinstance(x, tuple) else (x,)
 
 
 def _round_up(n: int, step: int) -> int:
@@ -44,13 +53,17 @@ class DecodeKV:
     def __init__(self, pool: KVPool, slots: int, capacity: int):
         self.pool = pool
         self.slots, self.capacity = slots, capacity
-        # Zeros, not empty: attention multiplies the masked positions by 0, and 0 x NaN is NaN.
-        self.keys = [mx.zeros((slots, s.n_kv_heads, capacity, s.k_dim), pool.keys[i].dtype)
-                     for i, s in enumerate(pool.specs)]
-        self.values = [mx.zeros((slots, s.n_kv_heads, capacity, s.v_dim), pool.values[i].dtype)
-                       for i, s in enumerate(pool.specs)]
+        self.quantized = getattr(pool, "quantization", None) is not None
+
+        def staged(stored):  # each part (heads, pool slots, dim) -> (slots, heads, capacity, dim)
+            # Zeros, not empty: attention multiplies the masked positions by 0, and 0 x NaN is NaN.
+            return [mx.zeros((slots, a.shape[0], capacity, a.shape[2]), a.dtype) for a in stored]
+
+        layers = [pool.parts(i) for i in range(len(pool.specs))]
+        self.keys = [staged(k) for k, _ in layers]
+        self.values = [staged(v) for _, v in layers]
         self._heads = {h: mx.arange(h)[None, :] for h in {s.n_kv_heads for s in pool.specs}}
-        self._bytes_per_position = [kv_bytes_per_token([s], pool.dtype) for s in pool.specs]
+        self._bytes_per_position = [pool.layer_bytes_per_token(i) for i in range(len(pool.specs))]
 
     def edit(self, moves: List[Tuple[int, int]], joins: List[int], join_layout: Optional[BatchLayout],
              dispatch, scratch_bytes: int) -> None:
@@ -73,18 +86,18 @@ class DecodeKV:
 
     def _edit_layers(self, layers: List[int], dst, src, join_slots, join_layout, dispatch) -> None:
         if src is not None:
-            moved = {i: (self.keys[i][src], self.values[i][src]) for i in layers}
-            dispatch(*[a for kv in moved.values() for a in kv])  # read before the writes below
+            moved = {i: ([a[src] for a in self.keys[i]], [a[src] for a in self.values[i]]) for i in layers}
+            dispatch(*[a for kv in moved.values() for part in kv for a in part])  # read before the writes below
         for i in layers:
-            K, V = self.keys[i], self.values[i]
             edits = [(dst, *moved[i])] if src is not None else []
             if join_slots is not None:
-                edits.append((join_slots, *self.pool.read(i, join_layout.table)))
-            for slots, k, v in edits:
-                K[slots, :, : k.shape[2]] = k
-                if V.shape[-1]:  # an index-key cache stores no values (MLX can't scatter empty rows)
-                    V[slots, :, : v.shape[2]] = v
-        dispatch(*[a for i in layers for a in (self.keys[i], self.values[i])])
+                edits.append((join_slots, *map(_parts, self.pool.read(i, join_layout.table))))
+            for slots, ks, vs in edits:
+                for stored, new in ((self.keys[i], ks), (self.values[i], vs)):
+                    for S, x in zip(stored, new):
+                        if S.shape[-1]:  # an index-key cache stores no values (MLX can't scatter empty rows)
+                            S[slots, :, : x.shape[2]] = x
+        dispatch(*[a for i in layers for a in self.keys[i] + self.values[i]])
 
     def step(self, offsets: List[int]) -> None:
         self.B, self.Lk = len(offsets), max(offsets) + 1
@@ -93,16 +106,19 @@ class DecodeKV:
 
     def update(self, layer: int, keys: mx.array, values: mx.array):
         """Store this step's (B, H, 1, D) keys/values; return K/V of slots 0..B-1 up to
-        the longest row."""
-        K, V = self.keys[layer], self.values[layer]
+        the longest row (quantized: as (packed, scales, biases))."""
         idx = (self._rows, self._heads[keys.shape[1]], self._pos)
-        K[idx] = keys[:, :, 0, :]
-        if V.shape[-1]:
-            V[idx] = values[:, :, 0, :]
-        return K[: self.B, :, : self.Lk], V[: self.B, :, : self.Lk]
+        out = []
+        for stored, new in ((self.keys[layer], keys), (self.values[layer], values)):
+            if stored[0].shape[-1]:
+                for S, part in zip(stored, self.pool.encode(new[:, :, 0, :])):
+                    S[idx] = part
+            parts = tuple(S[: self.B, :, : self.Lk] for S in stored)
+            out.append(parts if self.quantized else parts[0])
+        return tuple(out)
 
     def arrays(self) -> List[mx.array]:
-        return self.keys + self.values
+        return [a for layer in self.keys + self.values for a in layer]
 
 
 class DecodeStaging:
@@ -112,7 +128,7 @@ class DecodeStaging:
         self.pool = pool
         self.max_bytes = max_bytes
         self.scratch_bytes = scratch_bytes  # the rows being copied in may hold this much more (0: a layer)
-        self.bytes_per_position = kv_bytes_per_token(pool.specs, pool.dtype)
+        self.bytes_per_position = sum(pool.layer_bytes_per_token(i) for i in range(len(pool.specs)))
         self.current: Optional[DecodeKV] = None
         self._slot: Dict[tuple, int] = {}  # row key -> slot
         self._pos: Dict[tuple, int] = {}  # row key -> position it wrote last

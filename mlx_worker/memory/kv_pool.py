@@ -77,6 +77,18 @@ class KVPool:
     def arrays(self) -> List[mx.array]:
         return self.keys + self.values
 
+    def parts(self, layer: int):
+        """The arrays that hold a layer's keys and those that hold its values."""
+        return (self.keys[layer],), (self.values[layer],)
+
+    def encode(self, x: mx.array) -> tuple:
+        """K or V as the pool stores it: the parts `parts` has."""
+        return (x,)
+
+    def layer_bytes_per_token(self, layer: int) -> int:
+        keys, values = self.parts(layer)
+        return sum(a.nbytes for a in keys + values) // (self.num_pages * self.page_size)
+
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store keys/values (B, H, L, D) at `slots` (B, 1, L)."""
         heads = self._heads[keys.shape[1]]

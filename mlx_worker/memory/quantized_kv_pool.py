@@ -65,12 +65,18 @@ class QuantizedKVPool(KVPool):
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
 
+    def parts(self, layer: int):
+        return self.keys[layer], self.values[layer]
+
+    def encode(self, x: mx.array) -> tuple:
+        bits, group = self.quantization
+        return tuple(mx.quantize(x, group_size=group, bits=bits))
+
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Quantize keys/values (B, H, L, D) and store them at `slots` (B, 1, L)."""
         heads = self._heads[keys.shape[1]]
-        bits, group = self.quantization
         for stored, new in ((self.keys[layer], keys), (self.values[layer], values)):
-            for array, part in zip(stored, mx.quantize(new, group_size=group, bits=bits)):
+            for array, part in zip(stored, self.encode(new)):
                 array[heads, slots] = part
 
     def read(self, layer: int, table: mx.array):
