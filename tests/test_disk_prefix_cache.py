@@ -128,6 +128,25 @@ def test_a_damaged_file_is_deleted_and_recomputed_never_served(model, tmp_path):
         third.shutdown()
 
 
+def test_a_replica_hears_of_the_pages_another_filed_in_the_shared_directory(model, tmp_path, monkeypatch):
+    """For the router: a replica's report of its SSD pages takes in what the Mac's other
+    replicas file in the directory they share (the directory is listed again now and then)."""
+    from mlx_worker.kv_tiers import disk_tier
+
+    monkeypatch.setattr(disk_tier, "RESCAN_S", 0.1)
+    p = prompt(5)
+    listener = engine(model, tmp_path)  # up first: its start-up listing finds nothing
+    try:
+        filed(model, tmp_path, p)  # another replica computes p and files its pages
+        wanted, deadline = set(_hashes(listener, p)), time.time() + 30
+        while not wanted <= set(listener.stats()["disk_page_hashes"]):
+            assert time.time() < deadline
+            run_requests(listener, [prompt(99, 20)], 1)  # the stats are taken after a step
+            time.sleep(0.2)
+    finally:
+        listener.shutdown()
+
+
 def _hashes(eng, p):
     from mlx_worker.memory.paging import page_hashes
 

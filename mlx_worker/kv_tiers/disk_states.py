@@ -8,7 +8,7 @@ namespace of its own beside the pages', written and checked as page files are.
 """
 
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -32,7 +32,8 @@ class DiskStates:
         self.specs = list(specs)
         self.nbytes = files.file_bytes
         self._pending: List[Tuple[int, RowState]] = []
-        self._known: "OrderedDict[int, None]" = OrderedDict.fromkeys(files.hashes()[-KNOWN:])  # on disk
+        self._known: "OrderedDict[int, None]" = OrderedDict()  # on disk, by this tier's account
+        self._found: deque = deque()  # from the writer thread's scans: snapshots other replicas filed
         self.written = self.loaded = self.unsaved = 0
 
     def taken(self, h: int, state: RowState) -> None:
@@ -60,9 +61,15 @@ class DiskStates:
         if len(self._known) > KNOWN:
             self._known.popitem(last=False)
 
+    def found(self, hashes: Sequence[int]) -> None:
+        """Snapshots a scan of the directory found (on the writer thread)."""
+        self._found.extend(h for h in hashes if h not in self._known)
+
     def hashes(self, limit: int) -> List[int]:
         """The newest `limit` snapshots on disk by this tier's account, oldest first: where
         a prefix on disk can be resumed (for the router)."""
+        while self._found:
+            self.remember(self._found.popleft())
         return list(itertools.islice(reversed(self._known), limit))[::-1]
 
     def write(self, h: int, arrays: Sequence[np.ndarray]) -> bool:

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 READ_RUN = 32  # pages a reader thread reads in one task
 MAX_QUEUED_BYTES = 1 << 30  # copies waiting for the writer; beyond this, pages go unsaved
 KNOWN = 1 << 20  # hashes remembered as on disk (never copied out again)
+RESCAN_S = 30.0  # the directory is listed again this often: what the Mac's other replicas filed
 
 
 class Capture:
@@ -67,6 +68,7 @@ class DiskTier:
         self.pages_written = self.pages_loaded = self.pages_skipped = self.write_errors = 0
         self.hit_tokens = 0
         self.bytes_on_disk = 0
+        self.rescan_s = RESCAN_S
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-write", daemon=True)
         self._writer.start()
 
@@ -109,15 +111,26 @@ class DiskTier:
             self._queued_bytes += self._bytes(capture.hashes, states)
         self._queue.put((capture.hashes, host, capture.state_hashes, states))
 
-    def _write_loop(self) -> None:
+    def _scan(self) -> None:
+        """List the directory: the pages a restart finds, and later those the Mac's other
+        replicas filed (for the router's report); evict past the bound."""
         try:
             self.bytes_on_disk = self.files.evict(self.max_bytes)
-            self._news.extend((h, True) for h in self.files.hashes())  # those a restart finds
+            self._news.extend((h, True) for h in self.files.hashes() if h not in self._known)
+            if self.states is not None:
+                self.states.found(self.states.files.hashes())
         except OSError as e:
             log.warning("prefix cache: cannot scan %s (%s)", self.files.root, e)
+
+    def _write_loop(self) -> None:
+        self._scan()
         P = self.pool.page_size
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self.rescan_s)
+            except queue.Empty:
+                self._scan()
+                continue
             if item is None:
                 return
             if isinstance(item, threading.Event):  # flush()
