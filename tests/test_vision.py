@@ -1,5 +1,5 @@
 """Images in prompts: a vision-language checkpoint (mlx-vlm's classes: a tiny random
-Gemma 3, a Qwen2.5-VL, whose M-RoPE positions the engine makes per row, a Qwen3-VL, whose
+Gemma 3, a Gemma 4 (per-layer inputs, KV shared across layers), a Qwen2.5-VL, whose M-RoPE positions the engine makes per row, a Qwen3-VL, whose
 first layers add image features too (deepstack), a Qwen3.5 (hybrid: recurrent layers
 between the attention ones), an Idefics3, a SmolVLM, a Mistral 3 with its Pixtral
 tower, a Pixtral and an LFM2-VL (hybrid too, its images tiled))
@@ -14,8 +14,8 @@ import pytest
 from conftest import collect
 from PIL import Image
 from tiny_models import make_tiny_model
-from tiny_vision import (save_tiny_gemma3_vision, save_tiny_idefics3_vision, save_tiny_mistral3_vision,
-                         save_tiny_lfm2_vl_vision, save_tiny_qwen2_5_vision,
+from tiny_vision import (save_tiny_gemma3_vision, save_tiny_gemma4_vision, save_tiny_idefics3_vision,
+                         save_tiny_lfm2_vl_vision, save_tiny_mistral3_vision, save_tiny_qwen2_5_vision,
                          save_tiny_qwen3_5_vision, save_tiny_qwen3_vision)
 
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
@@ -25,10 +25,11 @@ from mlx_worker.vision.image_inputs import image_spans
 N = 10
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3",
+@pytest.fixture(scope="module", params=["gemma3", "gemma4", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3",
                                                 "smolvlm", "mistral3", "pixtral", "lfm2_vl"])
 def checkpoint(request, tmp_path_factory):
-    save = {"gemma3": save_tiny_gemma3_vision, "qwen2_5_vl": save_tiny_qwen2_5_vision,
+    save = {"gemma3": save_tiny_gemma3_vision, "gemma4": save_tiny_gemma4_vision,
+            "qwen2_5_vl": save_tiny_qwen2_5_vision,
             "idefics3": save_tiny_idefics3_vision,
             "smolvlm": lambda path: save_tiny_idefics3_vision(path, model_type="smolvlm"),
             "mistral3": save_tiny_mistral3_vision, "qwen3_vl": save_tiny_qwen3_vision,
@@ -171,7 +172,7 @@ def test_an_image_sent_again_past_another_prefix_is_not_encoded_again(checkpoint
 
     if image_features(json.loads((Path(checkpoint) / "config.json").read_text())["model_type"]) is None:
         pytest.skip("no image cache for this family yet (Idefics3, SmolVLM, LFM2-VL: an image's crops or "
-                    "tiles are not told apart)")
+                    "tiles are not told apart; Gemma 4: images of different sizes are encoded one by one)")
     eng = Engine(EngineConfig(model=checkpoint, max_total_tokens=4096))
     try:
         first = [user("First words.", None, "What is it?")]

@@ -272,3 +272,41 @@ def save_tiny_lfm2_vl_vision(path: Path, seed: int = 0) -> Path:
     (path / "processor_config.json").write_text(json.dumps({"processor_class": "Lfm2VlProcessor",
                                                              "use_image_special_tokens": True}))
     return write_random_weights(path, config, seed)
+
+
+GEMMA4_TOKENS = {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>"}
+
+
+def save_tiny_gemma4_vision(path: Path, seed: int = 0) -> Path:
+    """A Gemma 4 checkpoint: its vision tower (2 layers, 16 px patches, pooled 2 x 2) and a
+    4-layer text model with per-layer inputs and its last 2 layers reading earlier layers'
+    KV (E2B/E4B's layout); an image is at most 16 soft tokens."""
+    path = Path(path)
+    tok = tiny_tokenizer(path, GEMMA4_TOKENS.values(), GEMMA4_TOKENS["image_token"])
+    config_file = path / "tokenizer_config.json"
+    tok_config = json.loads(config_file.read_text())
+    tok_config["extra_special_tokens"] = GEMMA4_TOKENS
+    config_file.write_text(json.dumps(tok_config))
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in GEMMA4_TOKENS.items()}
+    vocab = len(tok)
+    config = {
+        "model_type": "gemma4", "vocab_size": vocab, "image_token_id": ids["image_token"],
+        "boi_token_id": ids["boi_token"], "eoi_token_id": ids["eoi_token"], "audio_token_id": vocab + 1,
+        "pad_token_id": tok.convert_tokens_to_ids("<|endoftext|>"), "eos_token_id": [tok.eos_token_id],
+        "hidden_size": 64, "vision_soft_tokens_per_image": 16,
+        "text_config": dict(model_type="gemma4_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=1, head_dim=16, global_head_dim=32,
+                            rms_norm_eps=1e-6, vocab_size=vocab, vocab_size_per_layer_input=vocab,
+                            hidden_size_per_layer_input=16, num_kv_shared_layers=2, sliding_window=8,
+                            sliding_window_pattern=2, max_position_embeddings=4096),
+        "vision_config": dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=2, head_dim=16, global_head_dim=16,
+                              patch_size=16, position_embedding_size=64, pooling_kernel_size=2,
+                              default_output_length=16, rope_parameters={"rope_theta": 100.0}),
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    image = {"patch_size": 16, "max_soft_tokens": 16, "pooling_kernel_size": 2, "do_resize": True,
+             "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": False}
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma4Processor",
+                                                             "image_processor": image, "image_seq_length": 16}))
+    return write_random_weights(path, config, seed)

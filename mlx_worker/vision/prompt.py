@@ -23,7 +23,15 @@ def vision_prompt(processor, config, text: str, images: List) -> Tuple[List[int]
                          image_token_index=getattr(config, "image_token_index", None),
                          add_special_tokens=should_add_special_tokens(config.model_type, processor))
     ids = np.asarray(out["input_ids"])[0].tolist()
-    arrays = {k: np.asarray(v) for k, v in out.items() if k not in TEXT_KEYS and v is not None}
+    arrays = {k: _array(v) for k, v in out.items() if k not in TEXT_KEYS and v is not None}
     hashes = [image_hash(np.asarray(im.convert("RGB"))) for im in images]
     image_token = getattr(config, "image_token_index", None) or getattr(config, "image_token_id")
     return ids, ImageInputs(arrays=arrays, hashes=hashes, spans=image_spans(ids, image_token, len(images)))
+
+
+def _array(v):
+    """One array, or (Gemma 4's images of different sizes) a list of them."""
+    try:
+        return np.asarray(v)
+    except ValueError:
+        return [np.asarray(x) for x in v]

@@ -20,7 +20,7 @@ from .prompt import vision_prompt
 # The vision families served: their language models take the engine's per-row positions
 # as they are (one RoPE position a token), or M-RoPE positions (Qwen-VL: three a token,
 # from the images' grids) that `position_ids` makes per row, never kept in module state.
-FAMILIES = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3", "smolvlm", "mistral3", "pixtral", "lfm2-vl")
+FAMILIES = ("gemma3", "gemma4", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3", "smolvlm", "mistral3", "pixtral", "lfm2-vl")
 
 
 def is_vision_checkpoint(spec: str) -> bool:
@@ -53,9 +53,12 @@ class VisionLanguageModel(nn.Module):
         body = getattr(vlm.language_model, "model", None)  # Idefics3's text model has no separate body
         body_args = inspect.signature(body.__call__).parameters if body is not None else {}
         self._embeddings_arg = "inputs_embeds" if "inputs_embeds" in body_args else "input_embeddings"  # LFM2's
+        self._per_layer_inputs = bool(getattr(body, "hidden_size_per_layer_input", 0))  # Gemma 4 E2B/E4B
         config = vlm.config
-        self._image_token_ids = [t for t in (getattr(config, "image_token_index", None),
-                                             getattr(config, "video_token_index", None)) if t is not None]
+        self._image_token_ids = [t for t in (getattr(config, "image_token_index", None) or
+                                             getattr(config, "image_token_id", None),
+                                             getattr(config, "video_token_index", None) or
+                                             getattr(config, "video_token_id", None)) if t is not None]
 
     @property
     def language_model(self) -> nn.Module:
@@ -66,29 +69,36 @@ class VisionLanguageModel(nn.Module):
         return self._processor
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None,
-                 position_ids: Optional[mx.array] = None, **deepstack) -> mx.array:
+                 position_ids: Optional[mx.array] = None, **extra) -> mx.array:
         if not self.mrope:
-            return self.language_model(inputs, inputs_embeds=input_embeddings, cache=_vlm_state_caches(cache)).logits
+            return self.language_model(inputs, inputs_embeds=input_embeddings, cache=_vlm_state_caches(cache),
+                                       **extra).logits
         lm = self.language_model
-        out = self.body(inputs, cache, input_embeddings, position_ids, **deepstack)
+        out = self.body(inputs, cache, input_embeddings, position_ids, **extra)
         tied = getattr(getattr(lm, "args", None), "tie_word_embeddings", "lm_head" not in lm)
         return lm.model.embed_tokens.as_linear(out) if tied else lm.lm_head(out)
 
     def body(self, inputs: mx.array, cache, input_embeddings: Optional[mx.array] = None,
-             position_ids: Optional[mx.array] = None, **deepstack) -> mx.array:
-        """The final hidden states (the engine applies the head where it samples)."""
-        kw = {self._embeddings_arg: input_embeddings}
+             position_ids: Optional[mx.array] = None, **extra) -> mx.array:
+        """The final hidden states (the engine applies the head where it samples). `extra`:
+        deepstack features (Qwen3-VL), per-layer inputs (Gemma 4)."""
+        kw = {self._embeddings_arg: input_embeddings, **extra}
         if self.mrope:
             if position_ids is None:  # rows without images (the engine's probes): plain positions
                 position_ids = mx.array(plain_positions(cache, *inputs.shape))
-            kw.update(position_ids=position_ids, **deepstack)
+            kw["position_ids"] = position_ids
         return self.language_model.model(inputs, cache=_vlm_state_caches(cache), **kw)
 
     def forward_kwargs(self, seqs, offsets, L: int, embeds: Optional[mx.array]) -> dict:
         """What a forward of these rows passes besides token ids: the rows' input embeddings
         where they show images (and, Qwen3-VL, the image features its first layers add:
-        deepstack), and (M-RoPE) every row's positions."""
+        deepstack; Gemma 4, the per-layer inputs of their ids, image tokens as 0, as mlx-vlm
+        computes them), and (M-RoPE) every row's positions."""
         kw = {}
+        if embeds is not None and self._per_layer_inputs:
+            tokens = np.array([s.tokens[o : o + L] for s, o in zip(seqs, offsets)])
+            text = np.where(np.isin(tokens, self._image_token_ids), 0, tokens)
+            kw["per_layer_inputs"] = self.language_model.model.get_per_layer_inputs(mx.array(text))
         if embeds is not None and embeds.ndim == 4:  # (B, L, 1 + deepstack layers, hidden)
             B, _, K, H = embeds.shape
             tokens = np.array([s.tokens[o : o + L] for s, o in zip(seqs, offsets)])
@@ -135,7 +145,8 @@ class VisionLanguageModel(nn.Module):
     def prompt_embeddings(self, prompt_ids: List[int], images: ImageInputs) -> mx.array:
         """(len(prompt_ids), hidden): the text tokens' embeddings with the images' in their
         tokens' places, as mlx-vlm's generation computes them (still lazy)."""
-        arrays = {k: mx.array(v) for k, v in images.arrays.items()}
+        arrays = {k: [mx.array(x) for x in v] if isinstance(v, list) else mx.array(v)
+                  for k, v in images.arrays.items()}
         ids = mx.array([prompt_ids])
         cached = {}
         if self._features is not None:  # images encoded before are not encoded again
@@ -216,6 +227,10 @@ def load_vision_model(path: str):
     model_type = vlm.config.model_type
     if model_type not in FAMILIES:
         raise ValueError(f"vision model type {model_type!r} is not served yet (served: {', '.join(FAMILIES)})")
+    if getattr(getattr(vlm.config, "text_config", None), "use_bidirectional_attention", None) == "vision":
+        # Image tokens attending to later image tokens: a prefill chunk inside an image, or a
+        # prefix hit, would need keys not computed yet.
+        raise ValueError(f"{model_type}: bidirectional attention over image tokens is not served yet")
     eos = vlm.config.eos_token_id
     eos = [eos] if isinstance(eos, int) else eos
     return VisionLanguageModel(vlm, processor), TokenizerWrapper(processor.tokenizer, eos_token_ids=eos)
