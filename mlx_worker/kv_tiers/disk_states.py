@@ -16,7 +16,7 @@ import numpy as np
 
 from ..memory.model_caches import StateSpec
 from ..memory.recurrent_state import RecurrentStates, RowState
-from .page_files import PageFiles, numpy_dtype
+from .page_files import PageFiles, host_view, numpy_dtype
 
 KNOWN = 1 << 16  # snapshot hashes remembered as on disk (never copied out again)
 
@@ -50,7 +50,7 @@ class DiskStates:
                 self.unsaved += 1  # an entry the probe did not see (None then): not a layout to file
                 continue
             hashes.append(h)
-            arrays.append([a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in parts])
+            arrays.append([host_view(a) for a in parts])
             self.remember(h)
         self._pending = []
         return hashes, arrays
@@ -89,12 +89,7 @@ class DiskStates:
             self._known.pop(h, None)  # to be filed again when computed
             return None
         it = iter(arrays)
-        batch = tuple(tuple(_to_mx(next(it), dtype) for dtype in spec.dtypes) for spec in self.specs)
+        batch = tuple(tuple(mx.array(next(it)).view(dtype) for dtype in spec.dtypes) for spec in self.specs)
         self.loaded += 1
         self.remember(h)
         return RowState(batch, 0)
-
-
-def _to_mx(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
-    out = mx.array(a)
-    return out.view(dtype) if dtype == mx.bfloat16 else out

@@ -30,7 +30,7 @@ from ..memory.page_manager import PageManager
 from ..memory.recurrent_state import RowState
 from ..memory.state_snapshots import StateSnapshots
 from .disk_states import DiskStates, state_layout
-from .page_files import PageFiles, namespace, numpy_dtype
+from .page_files import PageFiles, host_view, namespace, numpy_dtype
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class DiskTier:
         if keep:
             P = self.pool.page_size
             slots = mx.array((np.array([p for p, _ in keep])[:, None] * P + np.arange(P)).reshape(-1).astype(np.int32))
-            arrays = [_host_view(a[:, slots]) for a in self.pool.arrays()]
+            arrays = [host_view(a[:, slots]) for a in self.pool.arrays()]
         mx.async_eval(*arrays, *[a for s in states for a in s])
         for _, h in keep:
             self._remember(h)
@@ -278,11 +278,6 @@ class DiskTier:
                 **({"states_written": self.states.written, "states_loaded": self.states.loaded,
                     "damaged_states": self.states.files.num_corrupt} if self.states is not None else {}),
                 "bytes": self.bytes_on_disk, "max_bytes": self.max_bytes}
-
-
-def _host_view(a: mx.array) -> mx.array:
-    """bfloat16 has no NumPy dtype: its bits go to disk as uint16."""
-    return a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
 
 
 def page_layout(pool: KVPool) -> List[Tuple[tuple, np.dtype]]:

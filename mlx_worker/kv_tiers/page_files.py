@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+import mlx.core as mx
 import numpy as np
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,11 @@ log = logging.getLogger(__name__)
 MAGIC = b"MFKVPG01"
 HEADER = struct.Struct("<8sqQ16s")  # magic, page hash, payload bytes, blake2b-128 of the payload
 STALE_TMP_S = 600  # a temporary file this old was left by a writer that died
+
+
+def host_view(a: mx.array) -> mx.array:
+    """bfloat16 has no NumPy dtype: its bits go to disk as uint16."""
+    return a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
 
 
 def numpy_dtype(dtype) -> np.dtype:

@@ -95,13 +95,12 @@ class VisionLanguageModel(nn.Module):
         deepstack; Gemma 4, the per-layer inputs of their ids, image tokens as 0, as mlx-vlm
         computes them), and (M-RoPE) every row's positions."""
         kw = {}
+        tokens = np.array([s.tokens[o : o + L] for s, o in zip(seqs, offsets)]) if embeds is not None else None
         if embeds is not None and self._per_layer_inputs:
-            tokens = np.array([s.tokens[o : o + L] for s, o in zip(seqs, offsets)])
             text = np.where(np.isin(tokens, self._image_token_ids), 0, tokens)
             kw["per_layer_inputs"] = self.language_model.model.get_per_layer_inputs(mx.array(text))
         if embeds is not None and embeds.ndim == 4:  # (B, L, 1 + deepstack layers, hidden)
             B, _, K, H = embeds.shape
-            tokens = np.array([s.tokens[o : o + L] for s, o in zip(seqs, offsets)])
             shown = np.isin(tokens, self._image_token_ids)
             where = mx.array(np.flatnonzero(shown))
             kw["visual_pos_masks"] = mx.array(shown)
