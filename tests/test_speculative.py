@@ -19,8 +19,10 @@ from tiny_models import make_tiny_model
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 from mlx_worker.speculative.draft_budget import DraftBudget, expected_tokens
 from mlx_worker.speculative.config import SpeculativeConfig
+from mlx_worker.speculative.drafters import SuffixLookup
 from mlx_worker.speculative.ngram_index import NgramIndex
 from mlx_worker.speculative.speculator import MAX_BACKOFF, PROBE_STEPS, Speculator
+from mlx_worker.speculative.suffix_counts import SuffixCounts
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +130,28 @@ def test_a_draft_wrong_from_position_j_accepts_j_tokens(model, j):
     eng.shutdown()
 
 
+def steps_with_verify_and_prompt_chunks(eng):
+    """A counter of the engine's steps that verify drafts beside a prompt's prefill chunk."""
+    count, schedule = [0], eng.scheduler.schedule
+
+    def counting():
+        plan = schedule()
+        count[0] += bool(plan.verify and any(not c.replay for c in plan.prefills))
+        return plan
+
+    eng.scheduler.schedule = counting
+    return count
+
+
 def test_random_drafts_under_churn_chunking_and_uniform_rows(model):
     """Requests arrive while others verify; long prompts are chunked (16 tokens) into the
     same steps as verify rows of random length; a model needing one position per forward."""
     ps = prompts(8, 3, 90, seed=3)
     eng = engine(model, RandomDrafter(), k=6, max_batched_tokens=24)
+    mixed = steps_with_verify_and_prompt_chunks(eng)
     check_greedy(model, eng, ps, 15, stagger=0.02)
     assert 0 < eng.stats()["speculative"]["verify_rows"]
+    assert mixed[0] > 0
     eng.shutdown()
     bigcode = make_tiny_model("gpt_bigcode")
     eng = engine(bigcode, Oracle(references(bigcode, ps[:4], 12), wrong_from=2))
@@ -268,10 +285,12 @@ def test_a_recurrent_model_replays_its_accepted_drafts_from_the_state_before(dra
     refs = references(hybrid, ps, 14)
     d = {"oracle": Oracle(refs), "wrong_from_1": Oracle(refs, wrong_from=1), "random": RandomDrafter(2)}[drafter]
     eng = engine(hybrid, d, max_batched_tokens=32)
+    mixed = steps_with_verify_and_prompt_chunks(eng)
     check_greedy(hybrid, eng, ps[:1], 14)
     check_greedy(hybrid, eng, ps[1:], 14, stagger=0.02)
     st = eng.stats()
     assert st["speculative"]["verify_rows"] > 0 and st["prefix_hit_tokens"] > 0
+    assert mixed[0] > 0 or drafter == "random"  # verify rows beside prompt chunks (random drafts may be none)
     if drafter == "oracle":
         assert st["speculative"]["acceptance_rate"] == 1.0
     else:
@@ -286,6 +305,41 @@ def test_ngram_index_proposes_what_followed_the_latest_earlier_occurrence():
     tokens += [5]
     assert index.continuation(tokens, 8) == (4, [7, 1, 2, 3, 5])  # as far as the tokens go
     assert NgramIndex(2, 4).continuation([1, 2, 3], 2) == (0, [])
+
+
+def test_suffix_counts_draft_the_likeliest_path_while_it_stays_likely():
+    tokens = [1, 2, 3, 5, 7, 1, 2, 3, 5, 8, 1, 2, 3, 4, 0, 1, 2, 3]
+    counts = SuffixCounts(2, 3)
+    counts.extend(tokens)
+    score, draft = counts.draft(tokens, 4)
+    # 5 followed (1, 2, 3) twice, 4 once (the latest); after (2, 3, 5) come 7 and 8 once each.
+    assert draft[:2] == [5, 7] and score == pytest.approx(2 / 3 + 1 / 3 + 1 / 3 + 1 / 3)
+    assert counts.draft(tokens, 1) == (pytest.approx(2 / 3), [5])
+    rare = SuffixCounts(2, 2)
+    rare.extend([1, 2] + [x for t in range(11) for x in (1, 2, 100 + t)] + [1, 2])
+    assert rare.draft([1, 2], 3) == (0.0, [])  # no path of probability >= 0.1
+    counts.add(tokens, 0, len(tokens), sign=-1)  # taken out again: nothing left
+    assert counts.next == {} and counts.draft(tokens, 4) == (0.0, [])
+
+
+def test_suffix_drafts_from_recent_outputs_and_stops_where_they_ended():
+    class Seq:
+        def __init__(self, tokens, prompt):
+            self.tokens, self.num_prompt, self.draft_index = tokens, prompt, None
+
+        @property
+        def output_ids(self):
+            return self.tokens[self.num_prompt:]
+
+    lookup = SuffixLookup()
+    lookup.keep_outputs = 2
+    for i in range(3):
+        lookup.finished(Seq([50 + i, 1, 2, 3 + i, 4 + i, 5 + i], 1))
+    # After (1, 2): 4 or 5 (p 1/2), then one output's tokens up to its end.
+    assert lookup.propose(Seq([9, 9, 1, 2], 4), 8) == [4, 5, 6]
+    # Contexts of 2..5 tokens in each output of 6 (its end counted), (1, 2) and (5, 6) in both;
+    # the oldest output counted out again.
+    assert len(lookup.outputs) == 2 and len(lookup.recent.next) == 2 * (1 + 2 + 3 + 4) - 2
 
 
 class Row:

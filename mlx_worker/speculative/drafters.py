@@ -3,14 +3,16 @@
 `PromptLookup` (method ngram) matches the longest n-gram the request's tokens end with
 against its own prompt and output, and proposes what followed it (vLLM's n-gram
 speculation; most of an edited file is in the prompt). `SuffixLookup` (method suffix)
-also looks in the outputs of recent requests (agents repeat themselves across turns),
-with longer n-grams, and takes the longer match.
+counts what followed every context, in the request's tokens and in the outputs of recent
+requests (agents repeat themselves across turns), and proposes the likeliest path, as
+long as it stays likely (Arctic Inference's suffix decoding).
 """
 
-from collections import OrderedDict
-from typing import List
+from collections import deque
+from typing import Deque, List
 
 from .ngram_index import NgramIndex
+from .suffix_counts import SuffixCounts
 
 
 class PromptLookup:
@@ -25,47 +27,39 @@ class PromptLookup:
         seq.draft_index = None
 
 
-class SuffixLookup(PromptLookup):
+class SuffixLookup:
+    """Suffix decoding: the request's own tokens and the last `keep_outputs` requests'
+    outputs, each counted as a suffix tree (suffix_counts.py); the draft of the higher
+    score wins."""
+
     min_n, max_n = 2, 8
-    keep_outputs = 256  # recent requests' outputs searched
+    keep_outputs = 256
 
     def __init__(self):
-        self.outputs: "OrderedDict[int, List[int]]" = OrderedDict()  # request arrival -> its output
-        self.index = NgramIndex(self.min_n, self.max_n)  # over the outputs, each ending in a separator
-        self.tokens: List[int] = []  # the outputs, one after another
+        self.outputs: Deque[List[int]] = deque()  # the outputs counted, oldest first
+        self.recent = SuffixCounts(self.min_n, self.max_n)
 
     def propose(self, seq, k: int) -> List[int]:
         if seq.draft_index is None:
-            seq.draft_index = NgramIndex(self.min_n, self.max_n)
-        n, own = seq.draft_index.continuation(seq.tokens, k)
-        for m in range(self.max_n, max(n, self.min_n - 1), -1):  # a longer match among recent outputs wins
-            j = self.index.match(seq.tokens, m)
-            if j is not None and j < len(self.tokens):
-                other = self.tokens[j : j + k]
-                return other[: other.index(SEPARATOR)] if SEPARATOR in other else other
-        return own
+            seq.draft_index = SuffixCounts(self.min_n, self.max_n)
+        seq.draft_index.extend(seq.tokens)
+        own = seq.draft_index.draft(seq.tokens, k)
+        other = self.recent.draft(seq.tokens, k, stop=SEPARATOR)
+        return (other if other[0] > own[0] else own)[1]
 
     def finished(self, seq) -> None:
         seq.draft_index = None
-        output = seq.output_ids
-        if len(output) < self.min_n:
+        output = seq.output_ids + [SEPARATOR]  # counted too: where outputs end, drafts stop
+        if len(output) <= self.min_n:
             return
         if len(self.outputs) >= self.keep_outputs:
-            self._rebuild()
-        self.outputs[seq.arrival] = output
-        self.tokens += output + [SEPARATOR]
-        self.index.extend(self.tokens, len(self.tokens))
-
-    def _rebuild(self) -> None:
-        """Drop the older half of the outputs (the index cannot forget one by one)."""
-        while len(self.outputs) > self.keep_outputs // 2:
-            self.outputs.popitem(last=False)
-        self.index = NgramIndex(self.min_n, self.max_n)
-        self.tokens = [t for out in self.outputs.values() for t in out + [SEPARATOR]]
-        self.index.extend(self.tokens, len(self.tokens))
+            old = self.outputs.popleft()
+            self.recent.add(old, 0, len(old), sign=-1)
+        self.outputs.append(output)
+        self.recent.add(output, 0, len(output))
 
 
-SEPARATOR = -1  # between outputs: no n-gram spans two
+SEPARATOR = -1  # ends each output counted: a draft stops there
 
 
 class ModelDrafter:
