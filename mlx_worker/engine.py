@@ -72,7 +72,7 @@ class Engine:
         self.vocab_size = tree.vocab
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         kv_specs = tree.kv
-        drafter_model = load_model_drafter(config, model, tokenizer, draft_model, sharded=bool(ranks))
+        drafter_model = load_model_drafter(config, model, tokenizer, draft_model, ranks.group if ranks else None)
         if drafter_model is not None:  # its pool has as many pages as the target's
             weights += drafter_model.weights_bytes
             kv_specs = tree.kv + drafter_model.kv_specs

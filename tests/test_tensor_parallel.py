@@ -88,15 +88,19 @@ def _rank_main(rank, hosts, leader, task, arch, split, queue):
         model.model.pipeline(ranks.group) if split == "pipeline" else model.shard(ranks.group)
         tokenizer = default_tokenizer()
 
-        def engine_for(**kw):
+        def engine_for(draft_model=None, **kw):
             return Engine(EngineConfig(**{f"{split}_parallel_size": len(hosts)}, **kw), model=model,
-                          tokenizer=tokenizer, ranks=ranks)
+                          tokenizer=tokenizer, ranks=ranks, draft_model=draft_model)
 
         if task == "scenarios":
             result = _scenarios(engine_for, rank)
-        elif task == "speculative":  # every rank drafts alike and verifies the same rows
-            engine = engine_for(max_total_tokens=4096,
-                                speculative={"method": "suffix", "num_draft_tokens": 3, "adaptive": False})
+        elif task in ("speculative", "draft"):  # every rank verifies the same rows (rank 0's drafts)
+            spec = {"method": "suffix", "num_draft_tokens": 3, "adaptive": False}
+            if task == "draft":  # each rank holds the whole (unsharded) target as its draft model
+                engine = engine_for(max_total_tokens=4096, max_batched_tokens=16, draft_model=make_tiny_model(arch),
+                                    speculative={**spec, "method": "draft", "draft_model": "whole"})
+            else:
+                engine = engine_for(max_total_tokens=4096, speculative=spec)
             result = None
             if rank == 0:
                 first = [toks for toks, _ in run_requests(engine, AGAIN, 24)]
@@ -189,6 +193,17 @@ def test_two_ranks_verify_drafts_as_one_engine():
     for prompt, toks in zip(AGAIN + AGAIN, got):
         assert toks == reference_greedy(model, prompt, 24)
     assert stats["accepted_tokens"] >= 40  # the second time round, most of each answer drafted and accepted
+
+
+@pytest.mark.parametrize("arch, split", [("llama", "tensor"), ("qwen2", "pipeline")])
+def test_two_ranks_verify_a_draft_models_drafts(arch, split):
+    """The target's whole copy drafts on every rank (it keeps its KV through chunked
+    prefill in 16-token steps): every draft right, tokens mlx-lm's."""
+    model = make_tiny_model(arch)
+    got, stats = run_ranks("draft", arch, split)
+    for prompt, toks in zip(AGAIN + AGAIN, got):
+        assert toks == reference_greedy(model, prompt, 24)
+    assert stats["verify_rows"] > 0 and stats["acceptance_rate"] > 0.97, stats
 
 
 def test_each_rank_holds_only_its_shard(tmp_path):

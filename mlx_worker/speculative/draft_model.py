@@ -8,6 +8,10 @@ hits and preemption, with no bookkeeping of its own. A verify row's k drafts com
 k + 1 one-token forwards (`draft`): the last only writes the KV of the last draft, the
 position the target verifies too. Drafts are greedy: a draft is accepted when the
 target samples it, which keeps the output exactly the target's.
+
+On a sharded replica every rank holds the whole draft model and runs it alike; each
+draft token is rank 0's (an all_sum in the graph), so every rank verifies the same
+drafts and keeps the same draft KV even if their arithmetic differed.
 """
 
 from typing import Callable, Sequence
@@ -23,8 +27,8 @@ from ..models.output_head import split_output_head
 
 
 class DraftModel:
-    def __init__(self, model, tree: CacheTree, num_pages: int, page_size: int, head_groups: bool):
-        self.model, self.tree = model, tree
+    def __init__(self, model, tree: CacheTree, num_pages: int, page_size: int, head_groups: bool, group=None):
+        self.model, self.tree, self.group = model, tree, group
         self.pool = KVPool(tree.kv, tree.kv_dtype, num_pages, page_size)
         self.kv = StepKV(self.pool, tree, head_groups=head_groups)
         split = split_output_head(model)
@@ -56,10 +60,15 @@ class DraftModel:
                 dispatch()  # the last draft's KV only
                 break
             logits = self.head(out) if self.head is not None else out
-            x = mx.argmax(logits[:, -1:], axis=-1).astype(mx.int32)
+            x = self._rank0s(mx.argmax(logits[:, -1:], axis=-1).astype(mx.int32))
             drafts.append(x)
             dispatch(x)
         return mx.concatenate(drafts, axis=1)
+
+    def _rank0s(self, x: mx.array) -> mx.array:
+        if self.group is None:
+            return x
+        return mx.distributed.all_sum(x if self.group.rank() == 0 else mx.zeros_like(x), group=self.group)
 
 
 def load_draft_model(spec: str, dtype: str, target_tokenizer, model=None) -> tuple:
