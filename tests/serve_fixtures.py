@@ -103,7 +103,7 @@ def serve_run(config_path: Path, port: int, cwd: Path):
             tree = {p.pid: p for p in leader.children(recursive=True)}
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: serve run tears the app and its cluster down
         try:
-            proc.wait(timeout=20)  # past this it hangs on draining replicas: killed with its tree below
+            proc.wait(timeout=10)  # past this it hangs on draining replicas: killed with its tree below
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

@@ -97,8 +97,7 @@ def replica_memory_bytes(model: Optional[str], engine: dict, mac_memory: int) ->
         kv = cfg.max_total_tokens * per_token
     else:
         kv = cfg.kv_memory_fraction * max(0, mac_memory - weights)
-    staging = 0 if cfg.kv_bits else cfg.decode_staging_fraction  # quantized pages are never staged
-    return int(MARGIN * (weights + kv * (1 + staging)))
+    return int(MARGIN * (weights + kv * (1 + cfg.decode_staging_fraction)))
 
 
 def check_fits(name: str, need: int, largest: int) -> None:
