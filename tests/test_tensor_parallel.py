@@ -84,6 +84,17 @@ def _rank_main(rank, hosts, leader, task, arch, split, queue):
             weights = sum(v.nbytes for _, v in tree_flatten(shard.parameters()))
             queue.put((rank, (weights, mx.get_peak_memory() - before)))
             return
+        if task.startswith("mtp "):  # each rank loads its shard of the checkpoint, and the whole MTP head
+            engine = Engine(EngineConfig(model=task[4:], **{f"{split}_parallel_size": len(hosts)}, max_total_tokens=2048,
+                                         max_batched_tokens=32, speculative={
+                                             "method": "mtp", "num_draft_tokens": 3, "adaptive": False}), ranks=ranks)
+            result = None
+            if rank == 0:
+                result = ([toks for toks, _ in run_requests(engine, AGAIN, 16)], engine.stats()["speculative"])
+                engine.shutdown()
+            engine.join(60)
+            queue.put((rank, result))
+            return
         model = make_tiny_model(arch)
         model.model.pipeline(ranks.group) if split == "pipeline" else model.shard(ranks.group)
         tokenizer = default_tokenizer()
@@ -204,6 +215,20 @@ def test_two_ranks_verify_a_draft_models_drafts(arch, split):
     for prompt, toks in zip(AGAIN + AGAIN, got):
         assert toks == reference_greedy(model, prompt, 24)
     assert stats["verify_rows"] > 0 and stats["acceptance_rate"] > 0.97, stats
+
+
+def test_two_ranks_verify_an_mtp_heads_drafts(tmp_path):
+    """Qwen3-Next split in two pipeline stages, its MTP head whole on both ranks (a
+    checkpoint whose head drafts the token its model repeats): drafts taken, tokens mlx-lm's."""
+    from mlx_lm import load as mlx_load
+    from test_mtp import save_with_mtp
+
+    save_with_mtp("qwen3_next", tmp_path / "mtp", repeating=True)
+    model, _ = mlx_load(str(tmp_path / "mtp"))
+    got, stats = run_ranks(f"mtp {tmp_path / 'mtp'}", "qwen3_next", "pipeline")
+    for prompt, toks in zip(AGAIN, got):
+        assert toks == reference_greedy(model, prompt, 16)
+    assert stats["verify_rows"] > 0 and stats["acceptance_rate"] > 0.9, stats
 
 
 def test_each_rank_holds_only_its_shard(tmp_path):

@@ -82,6 +82,14 @@ def group_min(group: Optional[mx.distributed.Group], value: int) -> int:
     return int(values.min().item())
 
 
+def rank0s(x: mx.array, group: Optional[mx.distributed.Group]) -> mx.array:
+    """Rank 0's `x` on every rank, still lazy (an all_sum in the graph): what every rank
+    must agree on even if their arithmetic differed (a drafter's tokens)."""
+    if group is None or group.size() == 1:
+        return x
+    return mx.distributed.all_sum(x if group.rank() == 0 else mx.zeros_like(x), group=group)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
+from ..distributed.ranks import rank0s
 from ..memory.kv_pool import KVPool
 from ..memory.model_caches import CacheTree, probe_caches
 from ..memory.step_kv import StepKV
@@ -60,15 +61,10 @@ class DraftModel:
                 dispatch()  # the last draft's KV only
                 break
             logits = self.head(out) if self.head is not None else out
-            x = self._rank0s(mx.argmax(logits[:, -1:], axis=-1).astype(mx.int32))
+            x = rank0s(mx.argmax(logits[:, -1:], axis=-1).astype(mx.int32), self.group)
             drafts.append(x)
             dispatch(x)
         return mx.concatenate(drafts, axis=1)
-
-    def _rank0s(self, x: mx.array) -> mx.array:
-        if self.group is None:
-            return x
-        return mx.distributed.all_sum(x if self.group.rank() == 0 else mx.zeros_like(x), group=self.group)
 
 
 def load_draft_model(spec: str, dtype: str, target_tokenizer, model=None) -> tuple:

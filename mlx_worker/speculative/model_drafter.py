@@ -24,7 +24,7 @@ class LoadedDrafter:
 def load_model_drafter(config, model, tokenizer, draft_model=None, group=None) -> Optional[LoadedDrafter]:
     """The drafter of `config.speculative` if it is a model (`draft_model`: one already
     loaded), else None; a ValueError that says why it cannot draft. `group`: the ranks
-    of a sharded replica, each of which holds the whole draft model."""
+    of a sharded replica, each of which holds the whole draft model or MTP head."""
     spec = config.speculative
     if spec is None or spec.method not in ("draft", "mtp"):
         return None
@@ -32,15 +32,12 @@ def load_model_drafter(config, model, tokenizer, draft_model=None, group=None) -
         draft_model, tree, head_groups = load_draft_model(spec.draft_model, config.dtype, tokenizer, draft_model)
         return LoadedDrafter(_nbytes(draft_model), tree.kv, lambda pages, batching: DraftModel(
             draft_model, tree, pages, config.page_size, head_groups, group))
-    if group is not None:
-        raise ValueError("speculative method 'mtp' needs a replica of one Mac "
-                         "(tensor_parallel_size and pipeline_parallel_size 1); ngram, suffix and draft work sharded")
     head = load_mtp_head(model, checkpoint_files(config.model))
 
     def build(pages: int, batching: str) -> MTPDrafter:
         if batching == UNIFORM:
             raise ValueError("speculative method 'mtp' needs a model that batches rows at different positions")
-        return MTPDrafter(model, head, pages, config.page_size, batching == RAGGED_HEAD_GROUPS)
+        return MTPDrafter(model, head, pages, config.page_size, batching == RAGGED_HEAD_GROUPS, group)
 
     return LoadedDrafter(_nbytes(head), mtp_head_specs(head, model), build)
 

@@ -10,7 +10,9 @@ if the sequence still carries its hidden state at s - 1 (`Sequence.hidden`: the 
 positions of its last forward; none after a prefix hit, whose pages hold it already).
 A verify row's k drafts come from k one-token forwards of the head, each on the head's
 own output for the next (its entries at those positions are rewritten by the verify
-forward's mirror with the target's states).
+forward's mirror with the target's states). On a sharded replica every rank holds the
+whole head (the final hidden states, the embedding and the output head are whole on
+every rank, tensor or pipeline) and the drafts are rank 0's.
 """
 
 from typing import Callable, Optional, Sequence
@@ -19,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..distributed.ranks import rank0s
 from ..memory.kv_pool import KVPool
 from ..memory.model_caches import probe_caches
 from ..memory.step_kv import StepKV
@@ -46,7 +49,8 @@ def mtp_head_specs(head, model) -> list:
 class MTPDrafter:
     needs_hidden = True
 
-    def __init__(self, model, head, num_pages: int, page_size: int, head_groups: bool):
+    def __init__(self, model, head, num_pages: int, page_size: int, head_groups: bool, group=None):
+        self.group = group  # a sharded replica's ranks: each holds the whole head; drafts are rank 0's
         split = split_output_head(model)
         if split is None:
             raise ValueError("speculative method 'mtp' needs the model's output head apart from its body")
@@ -91,7 +95,8 @@ class MTPDrafter:
         drafts = []
         for i in range(k):
             state = self._run(token, state, seqs, [p - 1 + i for p in positions], 1)
-            token = mx.argmax(self.head.logits(state[:, -1:], self.output_head), axis=-1).astype(mx.int32)
+            token = rank0s(mx.argmax(self.head.logits(state[:, -1:], self.output_head), axis=-1).astype(mx.int32),
+                           self.group)
             drafts.append(token)
             dispatch(token)
         return mx.concatenate(drafts, axis=1)

@@ -36,7 +36,8 @@ class QwenMTPHead(nn.Module):
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=eps)
-        self.layers = [type(body.layers[full])(args, layer_idx=full) for _ in range(num_layers)]
+        layer_class = type(next(layer for layer in body.layers if layer is not None))  # a pipeline stage holds some
+        self.layers = [layer_class(args, layer_idx=full) for _ in range(num_layers)]
         self.norm = nn.RMSNorm(H, eps=eps)
 
     def __call__(self, embeddings: mx.array, hidden: mx.array, caches) -> mx.array:
