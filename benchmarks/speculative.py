@@ -4,10 +4,14 @@ on copy-heavy and free-form requests at 1, 8 and 32 concurrent requests.
     python benchmarks/speculative.py [--model PATH] [--concurrency 1 8 32] [--max-tokens 160]
                                      [--methods ngram suffix draft] [--draft-model PATH]
                                      [--workloads copy-heavy free-form] [--order abba|ab] [--quick]
+                                     [--background-prompt TOKENS]
 
 copy-heavy  rewrite a file exactly, rename a function in it, repeat a text: most of the
             answer is in the prompt (what coding agents and editors ask).
 free-form   stories and explanations: little to copy.
+--background-prompt TOKENS: one more client sends prompts of TOKENS tokens (1 token out)
+            back to back meanwhile, so that most steps carry a prefill chunk beside the
+            decoding rows (a farm where long agent prompts keep arriving).
 Each cell runs `concurrency` client loops, each sending its share of the requests one
 after another, through one engine (the default config and pool, one warm-up request
 first); decode tok/s counts the tokens after each request's first while every loop was
@@ -86,11 +90,11 @@ def first_layers(model, n=DRAFT_LAYERS):
     return draft
 
 
-def run_engine(model, tok, spec, prompts, concurrency, max_tokens, draft=None):
+def run_engine(model, tok, spec, prompts, concurrency, max_tokens, draft=None, background=0):
     config = EngineConfig(speculative=copy.deepcopy(spec))
     engine = Engine(config, model=model, tokenizer=tok, draft_model=draft)
     asyncio.run(warm_up(engine, prompts[0]))
-    answers, rate, per_request = asyncio.run(cell(engine, prompts, concurrency, max_tokens))
+    answers, rate, per_request = asyncio.run(cell(engine, prompts, concurrency, max_tokens, background))
     stats = engine.stats()["speculative"]
     engine.shutdown()
     return answers, rate, per_request, stats
@@ -102,11 +106,12 @@ async def warm_up(engine, prompt):
         pass
 
 
-async def cell(engine, prompts, concurrency, max_tokens):
+async def cell(engine, prompts, concurrency, max_tokens, background=0):
     """The prompts through `concurrency` client loops: (answers, decode tok/s while every
     loop was busy, a request's own decode tok/s on average). The first measures the batch
     at full size: from the moment every loop has a first token to the moment one loop is
-    done; the second, a request's tokens after its first over their time."""
+    done; the second, a request's tokens after its first over their time. `background`:
+    prompts of this many tokens arrive meanwhile, one after another."""
     events, spans, starts, ends = [], [], [], []
 
     async def loop(j):
@@ -128,7 +133,18 @@ async def cell(engine, prompts, concurrency, max_tokens):
         ends.append(time.perf_counter())
         return answers
 
-    results = await asyncio.gather(*[loop(j) for j in range(concurrency)])
+    async def prefill_load():
+        """One more client sending long prompts (each new: no prefix hit) for 1 token, back to back."""
+        i = 0
+        while len(ends) < concurrency:
+            prompt = [100 + (i * 7919 + t * 104729) % 40000 for t in range(background)]
+            async for _ in engine.generate(Request(rid=f"bg{i}", prompt_ids=prompt,
+                                                   params=SamplingParams(max_tokens=1, temperature=0.0))):
+                pass
+            i += 1
+
+    loops = [loop(j) for j in range(concurrency)] + ([prefill_load()] if background else [])
+    results = (await asyncio.gather(*loops))[:concurrency]
     answers = {i: t for r in results for i, t in r.items()}
     t0, t1 = max(starts), min(ends)
     full = sum(n for t, n in events if t0 < t <= t1) / (t1 - t0)
@@ -170,6 +186,8 @@ def main():
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=2, help="requests per client loop")
     ap.add_argument("--quick", action="store_true", help="concurrency 1 and 8, 64 tokens")
+    ap.add_argument("--background-prompt", type=int, default=0, metavar="TOKENS",
+                    help="meanwhile, prompts of TOKENS tokens arrive one after another (1 token each): decode beside long prefill")
     args = ap.parse_args()
     if args.quick:
         args.concurrency, args.max_tokens, args.rounds = [1, 8], 64, 2
@@ -188,7 +206,8 @@ def main():
                 if name == "draft":
                     spec["draft_model"] = args.draft_model or f"first {DRAFT_LAYERS} layers"
                     draft = None if args.draft_model else first_layers(model)
-                runs.setdefault(name, []).append(run_engine(model, tok, spec, prompts, c, args.max_tokens, draft))
+                runs.setdefault(name, []).append(run_engine(model, tok, spec, prompts, c, args.max_tokens, draft,
+                                                            args.background_prompt))
             base = runs["off"][0][0]
             mean = lambda name, i: sum(r[i] for r in runs[name]) / len(runs[name])  # noqa: E731
             for name in configs:
