@@ -55,5 +55,7 @@ def default_tokenizer():
 
 def pytest_collection_modifyitems(items):
     """The modules that share one local Ray cluster (serve_fixtures.serving) run one after
-    another, last: the cluster starts once for them, and never idles beside the engine tests."""
-    items.sort(key=lambda item: hasattr(item.module, "serving"))
+    another, last: the cluster starts once for them, and never idles beside the engine tests.
+    Those among them with a cluster of their own (`OWN_CLUSTER`) come after the rest, so
+    that none stops the shared one while later modules still need it."""
+    items.sort(key=lambda item: (hasattr(item.module, "serving"), getattr(item.module, "OWN_CLUSTER", False)))

@@ -9,6 +9,7 @@ from serve_fixtures import ENGINE, free_port, run_app, serving, tiny_model_dir
 
 REQUESTS = 4
 SHARED = "You are a helpful assistant who answers briefly. " * 6  # > 2 KV pages: later requests hit the cache
+OWN_CLUSTER = True  # Ray's metrics export is a cluster option: run after the modules sharing one (conftest)
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)", re.M)
 
 

@@ -176,7 +176,12 @@ class Scheduler:
         row, its accepted tokens before its next position is known; drafting, known tokens."""
         if any(s.matcher is not None or s.verifying for s in self.running):
             return True
-        return self.speculator is not None and bool(self.running) and self.speculator.wants_sync(len(self.running))
+        # While prompts are prefilled no row drafts: keep building steps ahead.
+        return (self.speculator is not None and bool(self.running) and not self._prompts_pending()
+                and self.speculator.wants_sync(len(self.running)))
+
+    def _prompts_pending(self) -> bool:
+        return bool(self.waiting) or any(s.next_input is None and s.num_computed < s.num_prompt for s in self.running)
 
     # --- one step ----------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -205,10 +210,10 @@ class Scheduler:
     def _schedule_decode(self, plan: StepPlan) -> None:
         rows = [(s, s.num_computed) for s in self.running if s.next_input is not None and not s.verifying
                 and s.num_scheduled_output < s.params.max_tokens]
-        # Verify rows share a step with prompt chunks (their own forward): a stream waiting
-        # behind a long chunk gets its accepted drafts from that step too.
+        # A step with prompt chunks runs their forward too: no verify forward beside it.
+        # (Replays of accepted drafts, short, may share a step with verify rows.)
         drafts = [([], 0)] * len(rows)
-        if self.speculator and rows:
+        if self.speculator and rows and not self._prompts_pending():
             drafts = self.speculator.plan(rows, self.budget.cost.coef)
         for (seq, position), (draft, proposed) in zip(rows, drafts):
             if seq.status != Status.RUNNING:
