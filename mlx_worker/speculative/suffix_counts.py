@@ -10,11 +10,11 @@ form a sliding window.
 A draft follows the tree greedily: from the longest context the text ends with, the
 most frequent next token, then from the context that ends with it, and so on while the
 path's probability (the product of each step's count over its node's total) stays at
-least `min_prob`. Its score, the sum of those probabilities, is the number of its
+least MIN_PROB. Its score, the sum of those probabilities, is the number of its
 tokens expected to be accepted, which is how two trees' drafts are compared.
 """
 
-from typing import Dict, List, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 MIN_PROB = 0.1  # Arctic's min_token_prob
 
@@ -65,7 +65,7 @@ class SuffixCounts:
         self.add(tokens, self.indexed, len(tokens))
         self.indexed = len(tokens)
 
-    def draft(self, tokens: List[int], k: int, stop: int = None) -> Tuple[float, List[int]]:
+    def draft(self, tokens: List[int], k: int, stop: Optional[int] = None) -> Tuple[float, List[int]]:
         """(score, up to k tokens that likely follow `tokens`); (0.0, []) when no context
         of at least min_n tokens was seen. `stop`: a token never drafted (a separator)."""
         context, out, prob, score = list(tokens[-self.max_n:]), [], 1.0, 0.0
@@ -87,5 +87,5 @@ class SuffixCounts:
                 break
             out.append(t)
             score += prob
-            context = context[1:] + [t] if len(context) >= self.max_n else context + [t]
+            context = (context + [t])[-self.max_n:]
         return score, out
