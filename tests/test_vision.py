@@ -1,8 +1,8 @@
 """Images in prompts: a vision-language checkpoint (mlx-vlm's classes: a tiny random
 Gemma 3, a Gemma 4 (per-layer inputs, KV shared across layers), a Qwen2.5-VL, whose M-RoPE positions the engine makes per row, a Qwen3-VL, whose
 first layers add image features too (deepstack), a Qwen3.5 (hybrid: recurrent layers
-between the attention ones), an Idefics3, a SmolVLM, a Mistral 3 with its Pixtral
-tower, a Pixtral and an LFM2-VL (hybrid too, its images tiled))
+between the attention ones), an Idefics3, a SmolVLM (and one that tiles its images), a
+Mistral 3 with its Pixtral tower, a Pixtral and an LFM2-VL (hybrid too, its images tiled))
 served by the engine gives mlx-vlm's own greedy tokens, alone and batched with text and
 other images, with prefill chunks across the image tokens and prefix hits, and a page
 that shows an image matches only a page that shows the same image."""
@@ -26,12 +26,13 @@ N = 10
 
 
 @pytest.fixture(scope="module", params=["gemma3", "gemma4", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3",
-                                                "smolvlm", "mistral3", "pixtral", "lfm2_vl"])
+                                                "smolvlm", "smolvlm_tiles", "mistral3", "pixtral", "lfm2_vl"])
 def checkpoint(request, tmp_path_factory):
     save = {"gemma3": save_tiny_gemma3_vision, "gemma4": save_tiny_gemma4_vision,
             "qwen2_5_vl": save_tiny_qwen2_5_vision,
             "idefics3": save_tiny_idefics3_vision,
             "smolvlm": lambda path: save_tiny_idefics3_vision(path, model_type="smolvlm"),
+            "smolvlm_tiles": lambda path: save_tiny_idefics3_vision(path, model_type="smolvlm", tiles=True),
             "mistral3": save_tiny_mistral3_vision, "qwen3_vl": save_tiny_qwen3_vision,
             "qwen3_5": save_tiny_qwen3_5_vision,
             "pixtral": lambda path: save_tiny_mistral3_vision(path, model_type="pixtral"),
@@ -148,6 +149,7 @@ def test_page_hashes_mix_in_the_images_each_page_shows():
     # Tiles of one image split by other tokens: the image spans them all.
     assert image_spans([7, 7, 0, 7, 7, 0], 7, 1) == [(0, 5)]
     assert image_spans([7, 7, 0, 7, 7, 0], 7, 2) == [(0, 2), (3, 5)]
+    assert image_spans([7, 0, 7, 0, 7, 0, 7], 7, 2, crops=[3, 1]) == [(0, 5), (6, 7)]  # tiles, then the whole
 
 
 def test_a_text_model_refuses_images():
@@ -170,17 +172,16 @@ def test_an_image_sent_again_past_another_prefix_is_not_encoded_again(checkpoint
 
     from mlx_worker.vision.image_features import image_features
 
-    if image_features(json.loads((Path(checkpoint) / "config.json").read_text())["model_type"]) is None:
-        pytest.skip("no image cache for this family yet (Idefics3, SmolVLM, LFM2-VL: an image's crops or "
-                    "tiles are not told apart; Gemma 4: images of different sizes are encoded one by one)")
+    assert image_features(json.loads((Path(checkpoint) / "config.json").read_text())["model_type"]) is not None
     eng = Engine(EngineConfig(model=checkpoint, max_total_tokens=4096))
     try:
         first = [user("First words.", None, "What is it?")]
         (toks, _), = run(eng, [request(eng, "a", first, [picture(7)])])
         assert toks == reference(first, [picture(7)])
         second = [user("Other words before them this time, long enough to fill a page:", None, "and", None, "?")]
-        (toks, last), = run(eng, [request(eng, "b", second, [picture(8), picture(7)])])
-        assert toks == reference(second, [picture(8), picture(7)])
+        large = picture(8, (600, 800))  # tiled, where the family tiles (LFM2-VL; SmolVLM, tiling)
+        (toks, last), = run(eng, [request(eng, "b", second, [large, picture(7)])])
+        assert toks == reference(second, [large, picture(7)])
         assert last.num_cached_tokens == 0
         assert eng.stats()["images"]["images_encoded"] == 2 and eng.stats()["images"]["image_hits"] == 1
     finally:

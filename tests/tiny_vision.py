@@ -133,10 +133,11 @@ def write_qwen_processor(path: Path, processor: str, image_processor: str, patch
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
 
 
-def save_tiny_idefics3_vision(path: Path, seed: int = 0, model_type: str = "idefics3") -> Path:
+def save_tiny_idefics3_vision(path: Path, seed: int = 0, model_type: str = "idefics3", tiles: bool = False) -> Path:
     """An Idefics3 checkpoint (or `smolvlm`: the same layout, SmolVLM's processor):
     SigLIP-like tower (2 layers, 112 px, 64 patches), pixel-shuffle connector (scale 2: 16
-    image tokens), a 2-layer llama."""
+    image tokens), a 2-layer llama. `tiles`: an image over 112 px is cut into tiles of
+    112 px (up to 2 x 2) shown before the whole image, as SmolVLM does with large ones."""
     processor = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[model_type]
     path = Path(path)
     tok = tiny_tokenizer(path, IDEFICS3_TOKENS, "<image>")
@@ -153,7 +154,8 @@ def save_tiny_idefics3_vision(path: Path, seed: int = 0, model_type: str = "idef
     (path / "config.json").write_text(json.dumps(config))
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": f"{processor}ImageProcessor", "processor_class": f"{processor}Processor",
-        "do_image_splitting": False, "size": {"longest_edge": 112}, "max_image_size": {"longest_edge": 112},
+        "do_image_splitting": tiles, "size": {"longest_edge": 224 if tiles else 112},
+        "max_image_size": {"longest_edge": 112},
         "do_resize": True, "resample": 1, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pad": True, "do_convert_rgb": True}))
     (path / "processor_config.json").write_text(json.dumps({"processor_class": f"{processor}Processor",

@@ -2,7 +2,7 @@
 hash, and where its tokens are in the prompt."""
 
 import hashlib
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -11,12 +11,15 @@ from pydantic import BaseModel, ConfigDict
 class ImageInputs(BaseModel):
     """`arrays`: what the model's processor returned besides the text (pixel_values, and
     per family image_grid_thw, pixel_attention_mask, ...); `hashes`: one per image, of its
-    decoded pixels; `spans`: the prompt positions [start, end) of each image's tokens."""
+    decoded pixels; `spans`: the prompt positions [start, end) of each image's tokens;
+    `crops`: where a family tiles images (Idefics3, SmolVLM), each one's rows of
+    pixel_values (None: not known, and its images are encoded whole each request)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     arrays: Dict[str, Any]
     hashes: List[str]
     spans: List[Tuple[int, int]]
+    crops: Optional[List[int]] = None  # per image, its rows of pixel_values (families that tile images)
 
     def page_salts(self, num_tokens: int, page_size: int) -> List[bytes]:
         """Per page of the prompt, the hashes of the images whose tokens it holds (b"" for
@@ -38,10 +41,11 @@ def image_hash(pixels: np.ndarray) -> str:
     return m.hexdigest()
 
 
-def image_spans(prompt_ids: List[int], image_token_id: int, num_images: int) -> List[Tuple[int, int]]:
+def image_spans(prompt_ids: List[int], image_token_id: int, num_images: int,
+                crops: Optional[List[int]] = None) -> List[Tuple[int, int]]:
     """Each image's token positions: the runs of the image token, one run per image where
-    the processor lays them out so; otherwise (tiles of one image split by other tokens)
-    every image is taken to span all of them."""
+    the processor lays them out so, or `crops` runs each (tiles of one image split by
+    other tokens); otherwise every image is taken to span all of them."""
     ids = np.asarray(prompt_ids)
     where = np.flatnonzero(ids == image_token_id)
     if not len(where) or not num_images:
@@ -51,4 +55,7 @@ def image_spans(prompt_ids: List[int], image_token_id: int, num_images: int) -> 
     ends = [int(where[b]) + 1 for b in breaks] + [int(where[-1]) + 1]
     if len(starts) == num_images:
         return list(zip(starts, ends))
+    if crops is not None and sum(crops) == len(starts):
+        last = np.cumsum(crops)
+        return [(starts[b - n], ends[b - 1]) for n, b in zip(crops, last)]
     return [(starts[0], ends[-1])] * num_images

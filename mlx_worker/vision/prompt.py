@@ -7,6 +7,7 @@ from typing import List, Tuple
 
 import numpy as np
 
+from .image_features import image_features
 from .image_inputs import ImageInputs, image_hash, image_spans
 
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
@@ -26,7 +27,10 @@ def vision_prompt(processor, config, text: str, images: List) -> Tuple[List[int]
     arrays = {k: _array(v) for k, v in out.items() if k not in TEXT_KEYS and v is not None}
     hashes = [image_hash(np.asarray(im.convert("RGB"))) for im in images]
     image_token = getattr(config, "image_token_index", None) or getattr(config, "image_token_id")
-    return ids, ImageInputs(arrays=arrays, hashes=hashes, spans=image_spans(ids, image_token, len(images)))
+    family = image_features(config.model_type)
+    crops = family.crops(ids, config, processor.tokenizer, len(images)) if hasattr(family, "crops") else None
+    return ids, ImageInputs(arrays=arrays, hashes=hashes, spans=image_spans(ids, image_token, len(images), crops),
+                            crops=crops)
 
 
 def _array(v):

@@ -148,11 +148,13 @@ class VisionLanguageModel(nn.Module):
                   for k, v in images.arrays.items()}
         ids = mx.array([prompt_ids])
         cached = {}
-        if self._features is not None:  # images encoded before are not encoded again
+        tiled = hasattr(self._features, "crops")  # needs to know each image's tiles
+        if self._features is not None and (images.crops is not None or not tiled):  # images encoded before are not encoded again
             features = self._cache.get(images.hashes)
             missing = [i for i, f in enumerate(features) if f is None]
             if missing:
-                for i, f in zip(missing, self._features.encode(self.vlm, arrays, missing)):
+                layout = {"crops": images.crops} if tiled else {}
+                for i, f in zip(missing, self._features.encode(self.vlm, {**arrays, **layout}, missing)):
                     features[i] = f
                     self._cache.put(images.hashes[i], f)
             cached["cached_image_features"] = self._features.join(features)

@@ -8,6 +8,6 @@ import importlib
 def image_features(model_type: str):
     """The family's module (`encode(vlm, arrays, which)`, `join(features)`), or None."""
     try:
-        return importlib.import_module(f"{__name__}.{model_type}")
+        return importlib.import_module(f"{__name__}.{model_type.replace('-', '_')}")  # lfm2-vl
     except ModuleNotFoundError:
         return None

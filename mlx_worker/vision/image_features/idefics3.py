@@ -1,0 +1,46 @@
+"""Idefics3 (and SmolVLM): an image is its tiles and then the whole image, each a row of
+pixel_values through the tower and the connector, (rows x image_seq_len, hidden) an
+image; a prompt's images one after another. Which rows are whose comes from the prompt:
+every image's tokens end with the whole image's, right after its `<global-img>`."""
+
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+
+def crops(prompt_ids: List[int], config, tokenizer, num_images: int) -> Optional[List[int]]:
+    """Per image, how many rows of pixel_values are its (None when the prompt does not
+    show it: then images are encoded whole with each request)."""
+    ids = np.asarray(prompt_ids)
+    shown = ids == (getattr(config, "image_token_index", None) or config.image_token_id)
+    starts = np.flatnonzero(shown & ~np.concatenate([[False], shown[:-1]]))
+    closes = ids[starts - 1] == tokenizer.convert_tokens_to_ids("<global-img>")
+    ends = np.flatnonzero(closes)
+    if len(ends) != num_images or not len(starts) or not closes[-1]:
+        return None
+    return np.diff(np.concatenate([[-1], ends])).tolist()
+
+
+def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]:
+    """The images `which` in one call of the tower, as mlx-vlm's `get_input_embeddings`
+    runs it over a prompt's rows."""
+    counts = arrays["crops"]
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    rows = mx.array(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in which]))
+    pixels = arrays["pixel_values"][0][rows]
+    mask = arrays.get("pixel_attention_mask")
+    mask = mx.ones((pixels.shape[0], *pixels.shape[2:]), mx.bool_) if mask is None else mask[0][rows]
+    patch = vlm.config.vision_config.patch_size
+    n, height, width = mask.shape
+    h, w = height // patch, width // patch
+    patches = mask[:, : h * patch, : w * patch].reshape(n, h, patch, w, patch).transpose(0, 1, 3, 2, 4)
+    hidden, *_ = vlm.vision_model(pixels.transpose(0, 2, 3, 1), patch_attention_mask=patches.sum(axis=(-1, -2)) > 0,
+                                  output_hidden_states=True)
+    features = vlm.connector(hidden.astype(pixels.dtype))  # (rows, image_seq_len, hidden)
+    ends = np.cumsum([counts[i] for i in which])
+    return [features[int(a) : int(b)].reshape(-1, features.shape[-1]) for a, b in zip([0, *ends[:-1]], ends)]
+
+
+def join(features: List[mx.array]) -> mx.array:
+    return mx.concatenate(features)

@@ -1,0 +1,39 @@
+"""LFM2-VL: an image is its tiles and a thumbnail (or, small, one view), each a row of the
+packed pixel_values through the tower, pixel unshuffle and projector (mlx-vlm's
+`encode_images`), (its views' tokens, hidden) an image; a prompt's images one after
+another. Which views are whose comes from the prompt: an image's runs of image tokens lie
+between its `<|image_start|>` and `<|image_end|>`."""
+
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+
+def crops(prompt_ids: List[int], config, tokenizer, num_images: int) -> Optional[List[int]]:
+    """Per image, how many rows of pixel_values are its views (None when the prompt does
+    not show it: then images are encoded whole with each request)."""
+    ids = np.asarray(prompt_ids)
+    shown = ids == (getattr(config, "image_token_index", None) or config.image_token_id)
+    run_starts = np.flatnonzero(shown & ~np.concatenate([[False], shown[:-1]]))
+    opens = np.flatnonzero(ids == tokenizer.convert_tokens_to_ids("<|image_start|>"))
+    closes = np.flatnonzero(ids == tokenizer.convert_tokens_to_ids("<|image_end|>"))
+    if len(opens) != num_images or len(closes) != num_images:
+        return None
+    counts = [int(((a < run_starts) & (run_starts < b)).sum()) for a, b in zip(opens, closes)]
+    return counts if sum(counts) == len(run_starts) and all(counts) else None
+
+
+def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]:
+    """The images `which` in one call of the tower."""
+    counts = arrays["crops"]
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    rows = mx.array(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in which]))
+    views = vlm.encode_images(arrays["pixel_values"][rows], spatial_shapes=arrays["spatial_shapes"][rows],
+                              pixel_attention_mask=arrays["pixel_attention_mask"][rows])
+    ends = np.cumsum([counts[i] for i in which])
+    return [mx.concatenate(views[int(a) : int(b)]) for a, b in zip([0, *ends[:-1]], ends)]
+
+
+def join(features: List[mx.array]) -> mx.array:
+    return mx.concatenate(features)
