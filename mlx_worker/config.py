@@ -61,5 +61,7 @@ class EngineConfig(StrictModel):
     """LoRA adapters this engine serves beside its base model: name -> directory (mlx-lm's format or PEFT's)."""
     max_loaded_adapters: int = Field(8, ge=1)
     """Adapters resident at once; the least recently used one with no request in flight makes room for another."""
+    image_cache_bytes: int = Field(256 << 20, ge=0)
+    """Vision models: the features of recently encoded images kept (by image hash, least recently used out), so that an image sent again is not encoded again; 0: off."""
     speculative: Optional[SpeculativeConfig] = None
     """Speculative decoding (method, num_draft_tokens, adaptive); null: off. The same tokens, greedy or seeded, sooner where drafts are right."""

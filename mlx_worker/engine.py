@@ -68,6 +68,8 @@ class Engine:
                              "(tensor_parallel_size and pipeline_parallel_size 1)")
         self.adapters = AdapterSlots(model, config.adapters, config.max_loaded_adapters) if config.adapters else None
         self.model, self.tokenizer = model, tokenizer
+        if hasattr(model, "image_cache"):  # a vision model's (vision/image_cache.py)
+            model.image_cache.max_bytes = config.image_cache_bytes
         tree = probe_caches(model)
         self.vocab_size = tree.vocab
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -186,3 +186,17 @@ def test_an_image_sent_again_past_another_prefix_is_not_encoded_again(checkpoint
         assert eng.stats()["images"]["images_encoded"] == 2 and eng.stats()["images"]["image_hits"] == 1
     finally:
         eng.shutdown()
+
+
+def test_the_image_cache_is_a_setting_and_zero_turns_it_off(tmp_path):
+    from tiny_vision import save_tiny_gemma3_vision
+
+    eng = Engine(EngineConfig(model=str(save_tiny_gemma3_vision(tmp_path)), max_total_tokens=4096, image_cache_bytes=0))
+    try:
+        for rid, words in (("a", "First words."), ("b", "Other words before the image this time, to fill a page:")):
+            run(eng, [request(eng, rid, [user(words, None, "What is it?")], [picture(7)])])
+        st = eng.stats()["images"]
+        assert st["max_bytes"] == 0 and st["cached_images"] == 0
+        assert st["images_encoded"] == 2 and st["image_hits"] == 0
+    finally:
+        eng.shutdown()

@@ -36,5 +36,5 @@ class ImageCache:
             self.bytes -= old.nbytes
 
     def stats(self) -> dict:
-        return {"cached_images": len(self.entries), "cached_bytes": self.bytes, "image_hits": self.hits,
-                "images_encoded": self.encoded}
+        return {"cached_images": len(self.entries), "cached_bytes": self.bytes, "max_bytes": self.max_bytes,
+                "image_hits": self.hits, "images_encoded": self.encoded}

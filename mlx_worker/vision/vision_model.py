@@ -48,7 +48,7 @@ class VisionLanguageModel(nn.Module):
         self.vlm = vlm
         self._processor = processor  # underscored: not a module
         self._features = image_features(vlm.config.model_type)
-        self._cache = ImageCache(image_cache_bytes)
+        self.image_cache = ImageCache(image_cache_bytes)
         self.mrope = hasattr(vlm.language_model, "get_rope_index")
         body = getattr(vlm.language_model, "model", None)  # Idefics3's text model has no separate body
         body_args = inspect.signature(body.__call__).parameters if body is not None else {}
@@ -150,13 +150,13 @@ class VisionLanguageModel(nn.Module):
         cached = {}
         tiled = hasattr(self._features, "crops")  # needs to know each image's tiles
         if self._features is not None and (images.crops is not None or not tiled):  # images encoded before are not encoded again
-            features = self._cache.get(images.hashes)
+            features = self.image_cache.get(images.hashes)
             missing = [i for i, f in enumerate(features) if f is None]
             if missing:
                 layout = {"crops": images.crops} if tiled else {}
                 for i, f in zip(missing, self._features.encode(self.vlm, {**arrays, **layout}, missing)):
                     features[i] = f
-                    self._cache.put(images.hashes[i], f)
+                    self.image_cache.put(images.hashes[i], f)
             cached["cached_image_features"] = self._features.join(features)
         out = self.vlm.get_input_embeddings(ids, arrays.pop("pixel_values"), mask=mx.ones(ids.shape, mx.int32),
                                             **arrays, **cached)
@@ -173,7 +173,7 @@ class VisionLanguageModel(nn.Module):
         return mx.concatenate([out.inputs_embeds, layers]).transpose(1, 0, 2)
 
     def stats(self) -> dict:
-        return self._cache.stats()
+        return self.image_cache.stats()
 
 
 def plain_positions(cache, B: int, L: int) -> np.ndarray:

@@ -77,8 +77,9 @@ def config_kv_bytes_per_token(config: dict, kv_bits: Optional[int] = None, kv_gr
 
 def replica_memory_bytes(model: Optional[str], engine: dict, mac_memory: int) -> Optional[int]:
     """What one replica of `model` will hold on a Mac of `mac_memory` bytes: its weights,
-    its KV pool (max_total_tokens, else kv_memory_fraction of what the weights leave) and
-    the decode batch's staged copy of it; None: the weights' size is unknown here."""
+    its KV pool (max_total_tokens, else kv_memory_fraction of what the weights leave), the
+    decode batch's staged copy of it and (a vision model) its image cache; None: the
+    weights' size is unknown here."""
     cfg = EngineConfig.model_validate({**engine, "model": model})
     path = _local(model)
     if path is None:
@@ -97,7 +98,8 @@ def replica_memory_bytes(model: Optional[str], engine: dict, mac_memory: int) ->
         kv = cfg.max_total_tokens * per_token
     else:
         kv = cfg.kv_memory_fraction * max(0, mac_memory - weights)
-    return int(MARGIN * (weights + kv * (1 + cfg.decode_staging_fraction)))
+    images = cfg.image_cache_bytes if "vision_config" in config else 0
+    return int(MARGIN * (weights + kv * (1 + cfg.decode_staging_fraction) + images))
 
 
 def check_fits(name: str, need: int, largest: int) -> None:
