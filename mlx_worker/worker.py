@@ -117,9 +117,13 @@ class Worker:
             groups.setdefault(key, []).append(chunk)
             written.update(pages[chunk.start // P : -(-(chunk.start + chunk.length) // P)])
         prefill_logits, scored, embedded = {}, [], []
+        # The images of every prompt that shows its first this step: in one call of the tower.
+        fresh = self.model.encode_new_images([c.seq.images for c in plan.prefills if shows_images(c)
+                                              and c.seq.embeds is None]) if self.vision else {}
         for (L, _, _, images), chunks in groups.items():
             inputs = mx.array([c.seq.tokens[c.start : c.start + L] for c in chunks])
-            embeds = mx.stack([self._prompt_embeddings(c.seq)[c.start : c.start + L] for c in chunks]) if images else None
+            embeds = mx.stack([self._prompt_embeddings(c.seq, fresh)[c.start : c.start + L] for c in chunks]) \
+                if images else None
             out, kv_arrays = self._forward(inputs, [c.seq for c in chunks], [c.start for c in chunks], L,
                                            body_only=bool(self.split), prefill_ends=[c.start + L for c in chunks],
                                            embeds=embeds)
@@ -176,11 +180,12 @@ class Worker:
             logits.append(out)
         return logits, drafted
 
-    def _prompt_embeddings(self, seq: Sequence) -> mx.array:
+    def _prompt_embeddings(self, seq: Sequence, fresh: dict) -> mx.array:
         """Its prompt's input embeddings with its images in place, made (lazily: the
-        vision tower runs in this step's graph) by the first chunk that shows an image."""
+        vision tower runs in this step's graph) by the first chunk that shows an image.
+        `fresh`: the features of images this step encoded, by hash."""
         if seq.embeds is None:
-            seq.embeds = self.model.prompt_embeddings(seq.tokens[: seq.num_prompt], seq.images)
+            seq.embeds = self.model.prompt_embeddings(seq.tokens[: seq.num_prompt], seq.images, fresh)
         return seq.embeds
 
     def _launched(self, step: InFlightStep) -> InFlightStep:

@@ -9,6 +9,7 @@ that shows an image matches only a page that shows the same image."""
 
 import asyncio
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import collect
@@ -198,5 +199,41 @@ def test_the_image_cache_is_a_setting_and_zero_turns_it_off(tmp_path):
         st = eng.stats()["images"]
         assert st["max_bytes"] == 0 and st["cached_images"] == 0
         assert st["images_encoded"] == 2 and st["image_hits"] == 0
+    finally:
+        eng.shutdown()
+
+
+def test_the_images_of_prompts_arriving_together_share_one_call_of_the_tower(checkpoint, reference):
+    """Three prompts whose images one step shows first: where the family's images batch
+    (`gather`), one call of the vision tower for all of them, the same image once, and
+    every prompt's embeddings equal to those of its images encoded alone; served
+    together (in however many steps they arrive), the tokens are mlx-vlm's."""
+    import json
+    from pathlib import Path
+
+    from mlx_worker.vision.image_features import image_features
+    from mlx_worker.vision.vision_model import load_vision_model
+
+    family = image_features(json.loads((Path(checkpoint) / "config.json").read_text())["model_type"])
+    convs = [([user("One:", None, "Say what it is.")], [picture(11)]),
+             ([user(None, "And these two?", None)], [picture(12, (30, 60)), picture(11)]),
+             ([user("Last:", None)], [picture(13, (50, 30))])]
+    alone, _ = load_vision_model(checkpoint)
+    together, _ = load_vision_model(checkpoint)
+    prompts = [alone.prompt(render(alone.processor, m), ims) for m, ims in convs]
+    fresh = together.encode_new_images([images for _, images in prompts])
+    assert together.tower_calls == (1 if hasattr(family, "gather") else 0) and len(fresh) == (3 if fresh else 0)
+    for ids, images in prompts:
+        batched = together.prompt_embeddings(ids, images, fresh)
+        assert mx.allclose(batched, alone.prompt_embeddings(ids, images), atol=1e-5).item()
+    assert together.tower_calls == (1 if hasattr(family, "gather") else len(convs))
+    assert together.stats()["images_encoded"] == 3  # picture 11 once
+
+    eng = Engine(EngineConfig(model=checkpoint, max_total_tokens=4096))
+    try:
+        outs = run(eng, [request(eng, f"p{i}", m, ims) for i, (m, ims) in enumerate(convs)])
+        for (messages, images), (toks, _) in zip(convs, outs):
+            assert toks == reference(messages, images)
+        assert eng.stats()["images"]["images_encoded"] == 3
     finally:
         eng.shutdown()

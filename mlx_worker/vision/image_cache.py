@@ -25,6 +25,9 @@ class ImageCache:
             out.append(f)
         return out
 
+    def holds(self, h: str) -> bool:
+        return h in self.entries
+
     def put(self, h: str, features: mx.array) -> None:
         self.encoded += 1
         if h in self.entries or features.nbytes > self.max_bytes:

@@ -5,7 +5,7 @@ the embeddings that take the image tokens' places (mlx-vlm's `get_input_embeddin
 import inspect
 import json
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,6 +49,7 @@ class VisionLanguageModel(nn.Module):
         self._processor = processor  # underscored: not a module
         self._features = image_features(vlm.config.model_type)
         self.image_cache = ImageCache(image_cache_bytes)
+        self.tower_calls = 0  # calls of the vision tower (each on one or more images)
         self.mrope = hasattr(vlm.language_model, "get_rope_index")
         body = getattr(vlm.language_model, "model", None)  # Idefics3's text model has no separate body
         body_args = inspect.signature(body.__call__).parameters if body is not None else {}
@@ -141,23 +142,51 @@ class VisionLanguageModel(nn.Module):
         """(prompt ids, image inputs) of a rendered chat prompt and its decoded images."""
         return vision_prompt(self._processor, self.vlm.config, text, images)
 
-    def prompt_embeddings(self, prompt_ids: List[int], images: ImageInputs) -> mx.array:
+    def encode_new_images(self, prompts: List[ImageInputs]) -> Dict[str, mx.array]:
+        """By hash, the features of the images of these prompts that the image cache lacks,
+        each image once however many prompts show it, from one call of the vision tower
+        (still lazy), where the family can batch the images of several prompts (`gather`);
+        they enter the image cache too. Empty when fewer than two prompts have images to
+        encode: one prompt's are encoded together by `prompt_embeddings`."""
+        gather = getattr(self._features, "gather", None)
+        parts, seen = [], set()
+        for images in prompts if gather is not None else ():
+            which = [i for i, h in enumerate(images.hashes) if h not in seen and not self.image_cache.holds(h)]
+            seen.update(images.hashes[i] for i in which)
+            if which:
+                parts.append((images, which))
+        if len(parts) < 2:
+            return {}
+        arrays = gather([(_arrays(images), which) for images, which in parts])
+        hashes = [images.hashes[i] for images, which in parts for i in which]
+        features = self._features.encode(self.vlm, arrays, list(range(len(hashes))))
+        self.tower_calls += 1
+        for h, f in zip(hashes, features):
+            self.image_cache.put(h, f)
+        return dict(zip(hashes, features))
+
+    def prompt_embeddings(self, prompt_ids: List[int], images: ImageInputs,
+                          fresh: Optional[Dict[str, mx.array]] = None) -> mx.array:
         """(len(prompt_ids), hidden): the text tokens' embeddings with the images' in their
-        tokens' places, as mlx-vlm's generation computes them (still lazy)."""
-        arrays = {k: [mx.array(x) for x in v] if isinstance(v, list) else mx.array(v)
-                  for k, v in images.arrays.items()}
+        tokens' places, as mlx-vlm's generation computes them (still lazy). `fresh`: images
+        this step encoded already (`encode_new_images`), by hash."""
+        arrays = _arrays(images)
         ids = mx.array([prompt_ids])
         cached = {}
-        tiled = hasattr(self._features, "crops")  # needs to know each image's tiles
-        if self._features is not None and (images.crops is not None or not tiled):  # images encoded before are not encoded again
-            features = self.image_cache.get(images.hashes)
+        if self._features is not None and (images.crops is not None or not hasattr(self._features, "crops")):
+            fresh = fresh or {}  # images encoded before are not encoded again
+            features = [fresh.get(h) for h in images.hashes]
+            missing = [i for i, f in enumerate(features) if f is None]
+            for i, f in zip(missing, self.image_cache.get([images.hashes[i] for i in missing])):
+                features[i] = f
             missing = [i for i, f in enumerate(features) if f is None]
             if missing:
-                layout = {"crops": images.crops} if tiled else {}
-                for i, f in zip(missing, self._features.encode(self.vlm, {**arrays, **layout}, missing)):
+                self.tower_calls += 1
+                for i, f in zip(missing, self._features.encode(self.vlm, arrays, missing)):
                     features[i] = f
                     self.image_cache.put(images.hashes[i], f)
             cached["cached_image_features"] = self._features.join(features)
+        arrays.pop("crops", None)
         out = self.vlm.get_input_embeddings(ids, arrays.pop("pixel_values"), mask=mx.ones(ids.shape, mx.int32),
                                             **arrays, **cached)
         deepstack = getattr(out, "deepstack_visual_embeds", None)
@@ -173,7 +202,14 @@ class VisionLanguageModel(nn.Module):
         return mx.concatenate([out.inputs_embeds, layers]).transpose(1, 0, 2)
 
     def stats(self) -> dict:
-        return self.image_cache.stats()
+        return {**self.image_cache.stats(), "tower_calls": self.tower_calls}
+
+
+def _arrays(images: ImageInputs) -> dict:
+    """A prompt's image arrays as MLX arrays (Gemma 4's images of different sizes: a list),
+    and where the family tiles images, each image's rows (`crops`)."""
+    arrays = {k: [mx.array(x) for x in v] if isinstance(v, list) else mx.array(v) for k, v in images.arrays.items()}
+    return {**arrays, "crops": images.crops} if images.crops is not None else arrays
 
 
 def plain_positions(cache, B: int, L: int) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Gemma 3: the SigLIP tower's last hidden state through the projector, (tokens, hidden) an
-image; a prompt's images stacked (images, tokens, hidden)."""
+image; a prompt's images stacked (images, tokens, hidden). Every image has the tower's
+size, so those of several prompts stack into one call (`gather`)."""
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import mlx.core as mx
 
@@ -16,3 +17,8 @@ def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]
 
 def join(features: List[mx.array]) -> mx.array:
     return mx.stack(features)
+
+
+def gather(parts: List[Tuple[Dict[str, mx.array], List[int]]]) -> Dict[str, mx.array]:
+    """The arrays of the images `which` of each (arrays, which), as one prompt's."""
+    return {"pixel_values": mx.concatenate([arrays["pixel_values"][mx.array(which)] for arrays, which in parts])}

@@ -1,11 +1,13 @@
 """Mistral 3: the Pixtral tower's patches of each image (its own size, `image_sizes`),
 merged 2 x 2 by the projector, (rows * cols, hidden) an image; a prompt's images one
-after another."""
+after another; several prompts' images in one call of the tower (Pixtral's `gather`)."""
 
 from typing import Dict, List
 
 import mlx.core as mx
 import numpy as np
+
+from .pixtral import gather  # noqa: F401
 
 
 def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]:

@@ -1,19 +1,33 @@
 """Qwen2.5-VL (and Qwen3.5, whose Qwen3-VL tower also returns deepstack features it does
 not use): the vision tower's merged patches, (t*h*w / merge^2, hidden) an image (its grid
 a row of image_grid_thw, its patches consecutive rows of pixel_values); a prompt's
-images one after another."""
+images one after another; several prompts' images in one call of the tower (`gather`)."""
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 
+def patch_rows(grid: np.ndarray, which: List[int]) -> np.ndarray:
+    """The rows of pixel_values that hold the images `which` (grid: image_grid_thw)."""
+    starts = np.concatenate([[0], np.cumsum(grid.prod(axis=1))])
+    return np.concatenate([np.arange(starts[i], starts[i + 1]) for i in which])
+
+
+def gather(parts: List[Tuple[Dict[str, mx.array], List[int]]]) -> Dict[str, mx.array]:
+    """The arrays of the images `which` of each (arrays, which), as one prompt's: the tower
+    attends within each image (its grid), so images of several prompts share a call."""
+    grids = [np.array(arrays["image_grid_thw"]) for arrays, _ in parts]
+    pixels = [arrays["pixel_values"][mx.array(patch_rows(g, which))] for g, (arrays, which) in zip(grids, parts)]
+    return {"pixel_values": mx.concatenate(pixels),
+            "image_grid_thw": np.concatenate([g[which] for g, (_, which) in zip(grids, parts)])}
+
+
 def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]:
     """The images `which` in one call of the tower (all of a prompt's: as mlx-vlm calls it)."""
     grid = np.array(arrays["image_grid_thw"])
-    starts = np.concatenate([[0], np.cumsum(grid.prod(axis=1))])
-    rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in which])
+    rows = patch_rows(grid, which)
     dtype = vlm.vision_tower.patch_embed.proj.weight.dtype
     out = vlm.vision_tower(arrays["pixel_values"][mx.array(rows)].astype(dtype), mx.array(grid[which]))
     if isinstance(out, tuple):  # (features, deepstack features)
