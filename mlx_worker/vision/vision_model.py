@@ -151,6 +151,8 @@ class VisionLanguageModel(nn.Module):
         gather = getattr(self._features, "gather", None)
         parts, seen = [], set()
         for images in prompts if gather is not None else ():
+            if hasattr(self._features, "crops") and images.crops is None:
+                continue  # its tiles are not told apart: encoded whole (prompt_embeddings)
             which = [i for i, h in enumerate(images.hashes) if h not in seen and not self.image_cache.holds(h)]
             seen.update(images.hashes[i] for i in which)
             if which:
@@ -158,6 +160,8 @@ class VisionLanguageModel(nn.Module):
         if len(parts) < 2:
             return {}
         arrays = gather([(_arrays(images), which) for images, which in parts])
+        if arrays is None:  # the family cannot batch these (idefics3.py: tiles of different sizes)
+            return {}
         hashes = [images.hashes[i] for images, which in parts for i in which]
         features = self._features.encode(self.vlm, arrays, list(range(len(hashes))))
         self.tower_calls += 1

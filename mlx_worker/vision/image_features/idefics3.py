@@ -3,7 +3,7 @@ pixel_values through the tower and the connector, (rows x image_seq_len, hidden)
 image; a prompt's images one after another. Which rows are whose comes from the prompt:
 every image's tokens end with the whole image's, right after its `<global-img>`."""
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -44,3 +44,20 @@ def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]
 
 def join(features: List[mx.array]) -> mx.array:
     return mx.concatenate(features)
+
+
+def gather(parts: List[Tuple[Dict[str, mx.array], List[int]]]) -> Optional[Dict[str, mx.array]]:
+    """The arrays of the images `which` of each (arrays, which), as one prompt's (None when
+    their tiles differ in size: each prompt's are then encoded apart)."""
+    pixels, masks, counts = [], [], []
+    for arrays, which in parts:
+        starts = np.concatenate([[0], np.cumsum(arrays["crops"])])
+        rows = mx.array(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in which]))
+        pixels.append(arrays["pixel_values"][:, rows])
+        mask = arrays.get("pixel_attention_mask")
+        masks.append(mx.ones((1, len(rows), *pixels[-1].shape[3:]), mx.bool_) if mask is None else mask[:, rows])
+        counts += [arrays["crops"][i] for i in which]
+    if len({p.shape[2:] for p in pixels}) > 1:
+        return None
+    return {"pixel_values": mx.concatenate(pixels, axis=1), "pixel_attention_mask": mx.concatenate(masks, axis=1),
+            "crops": counts}

@@ -4,7 +4,7 @@ packed pixel_values through the tower, pixel unshuffle and projector (mlx-vlm's
 another. Which views are whose comes from the prompt: an image's runs of image tokens lie
 between its `<|image_start|>` and `<|image_end|>`."""
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -37,3 +37,21 @@ def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]
 
 def join(features: List[mx.array]) -> mx.array:
     return mx.concatenate(features)
+
+
+def gather(parts: List[Tuple[Dict[str, mx.array], List[int]]]) -> Dict[str, mx.array]:
+    """The arrays of the images `which` of each (arrays, which), as one prompt's: views
+    packed to the longest (the padding masked out, as within a prompt)."""
+    pixels, masks, shapes, counts = [], [], [], []
+    for arrays, which in parts:
+        starts = np.concatenate([[0], np.cumsum(arrays["crops"])])
+        rows = mx.array(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in which]))
+        pixels.append(arrays["pixel_values"][rows])
+        masks.append(arrays["pixel_attention_mask"][rows])
+        shapes.append(arrays["spatial_shapes"][rows])
+        counts += [arrays["crops"][i] for i in which]
+    n = max(p.shape[1] for p in pixels)
+    pixels = [mx.pad(p, [(0, 0), (0, n - p.shape[1]), (0, 0)]) for p in pixels]
+    masks = [mx.pad(m, [(0, 0), (0, n - m.shape[1])]) for m in masks]
+    return {"pixel_values": mx.concatenate(pixels), "pixel_attention_mask": mx.concatenate(masks),
+            "spatial_shapes": mx.concatenate(shapes), "crops": counts}

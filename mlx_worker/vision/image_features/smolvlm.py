@@ -1,3 +1,3 @@
 """SmolVLM: Idefics3's layout (its own model type)."""
 
-from .idefics3 import crops, encode, join  # noqa: F401
+from .idefics3 import crops, encode, gather, join  # noqa: F401
