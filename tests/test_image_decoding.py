@@ -56,3 +56,54 @@ def test_urls_are_not_fetched_unless_fetching_is_on_and_never_local_ones():
     for url in ["http://127.0.0.1:1/x.png", "http://localhost/x.png", "http://10.0.0.1/x.png",
                 "http://169.254.169.254/latest/meta-data", "http://[::1]/x.png", "http://192.168.1.1/x.png"]:
         refused([url], "loopback, link-local or private", fetch_urls=True)
+
+
+@pytest.fixture
+def local_server():
+    """A real HTTP server on loopback that answers every GET with a PNG, and the requests
+    it saw as (path, Host header)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append((self.path, self.headers["Host"]))
+            body = png()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1], seen
+    server.shutdown()
+
+
+def test_a_url_is_fetched_from_the_address_that_was_checked(local_server, monkeypatch):
+    """DNS rebinding: the name answers a public address when it is checked and loopback
+    after. The fetch connects to the address checked (unreachable here), never to the
+    loopback server; and a pinned connection reaches its address with the URL's Host."""
+    import socket
+    import urllib.request
+
+    from serve_app.vision.decode import NoRedirect, PinnedHTTP
+
+    port, seen = local_server
+    real, answers = socket.getaddrinfo, iter(["1.1.1.1"])
+
+    def rebinding(host, *args, **kwargs):
+        return real(next(answers, "127.0.0.1") if host == "images.rebind.test" else host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    refused([f"http://images.rebind.test:{port}/cat.png"], "could not be fetched", fetch_urls=True, fetch_timeout_s=1)
+    assert seen == []
+    opener = urllib.request.build_opener(PinnedHTTP("127.0.0.1"), urllib.request.ProxyHandler({}), NoRedirect)
+    with opener.open(f"http://images.example.test:{port}/cat.png", timeout=5) as r:
+        assert r.read() == png()
+    assert seen == [("/cat.png", f"images.example.test:{port}")]

@@ -3,6 +3,8 @@ as decoded pixels, within the app's limits; anything else is the client's error 
 
 import base64
 import binascii
+import functools
+import http.client
 import io
 import ipaddress
 import socket
@@ -77,20 +79,23 @@ def b64decode(payload: str) -> bytes:
 
 def fetch(url: str, args: ImageArgs, room: int) -> bytes:
     """The URL's bytes, if its host resolves to public addresses only (each one checked
-    before any request is made) and the answer fits `room` bytes."""
+    before any request is made) and the answer fits `room` bytes. The connection goes to
+    an address that was checked, never to a second answer of the name (DNS rebinding),
+    and never through a proxy (which would resolve the name itself)."""
     host = urllib.parse.urlsplit(url).hostname
     if not host:
         raise ImageError("an image URL has no host")
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        addresses = [info[4][0] for info in socket.getaddrinfo(host, None)]
     except OSError:
         raise ImageError(f"an image URL's host {host!r} does not resolve") from None
     for a in addresses:
         ip = ipaddress.ip_address(a.split("%")[0])
         if not ip.is_global:
             raise ImageError(f"image URLs may not point at loopback, link-local or private addresses ({host})")
+    pinned = (PinnedHTTP(addresses[0]), PinnedHTTPS(addresses[0]), urllib.request.ProxyHandler({}), NoRedirect)
     try:
-        with urllib.request.build_opener(NoRedirect).open(url, timeout=args.fetch_timeout_s) as r:
+        with urllib.request.build_opener(*pinned).open(url, timeout=args.fetch_timeout_s) as r:
             data = r.read(room + 1)
     except Exception as e:  # noqa: BLE001 - network errors of every kind
         raise ImageError(f"an image URL could not be fetched: {e}") from None
@@ -104,3 +109,48 @@ class NoRedirect(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, *args, **kwargs):
         raise ImageError("an image URL redirected; give the final URL")
+
+
+def _connect(conn, address: str) -> socket.socket:
+    return socket.create_connection((address, conn.port), conn.timeout, conn.source_address)
+
+
+class _PinnedConnection(http.client.HTTPConnection):
+    def __init__(self, *args, address: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.address = address
+
+    def connect(self):
+        self.sock = _connect(self, self.address)
+
+
+class _PinnedTLSConnection(http.client.HTTPSConnection):
+    def __init__(self, *args, address: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.address = address
+
+    def connect(self):  # the certificate is checked against the URL's host name, as usual
+        self.sock = self._context.wrap_socket(_connect(self, self.address), server_hostname=self.host)
+
+
+class PinnedHTTP(urllib.request.HTTPHandler):
+    """http:// to the checked address (the Host header still names the URL's host)."""
+
+    def __init__(self, address: str):
+        super().__init__()
+        self.address = address
+
+    def http_open(self, req):
+        return self.do_open(functools.partial(_PinnedConnection, address=self.address), req)
+
+
+class PinnedHTTPS(urllib.request.HTTPSHandler):
+    """https:// to the checked address, TLS verified for the URL's host name."""
+
+    def __init__(self, address: str):
+        super().__init__()
+        self.address = address
+
+    def https_open(self, req):
+        return self.do_open(functools.partial(_PinnedTLSConnection, address=self.address), req,
+                            context=self._context)
