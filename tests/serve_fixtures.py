@@ -64,8 +64,16 @@ def serving(num_cpus=SHARED_CPUS, **ray_kw):
     try:
         yield _shared["base"]
     finally:
-        for name in set(serve.status().applications) - before:
-            serve.delete(name)
+        delete_apps(set(serve.status().applications) - before)
+
+
+def delete_apps(names, timeout: float = 60) -> None:
+    """Delete Serve apps all at once (one by one, each waits for its replicas to drain)."""
+    for name in names:
+        serve.delete(name, _blocking=False)
+    deadline = time.time() + timeout
+    while set(names) & set(serve.status().applications) and time.time() < deadline:
+        time.sleep(0.2)
 
 
 def wait_healthy(base: str, timeout: float = 120) -> None:
@@ -114,8 +122,16 @@ def serve_run(config_path: Path, port: int, cwd: Path):
 
 
 def run_app(base: str, name: str, route: str, **args):
-    serve.run(build_app(args), name=name, route_prefix=route, blocking=False)
-    wait_healthy(f"{base}{route.rstrip('/')}")
+    run_apps(base, [(name, route, args)])
+
+
+def run_apps(base: str, apps) -> None:
+    """Deploy (name, route, args) apps, all before waiting for any: their replicas start
+    side by side."""
+    for name, route, args in apps:
+        serve.run(build_app(args), name=name, route_prefix=route, blocking=False)
+    for _, route, _ in apps:
+        wait_healthy(f"{base}{route.rstrip('/')}")
 
 
 def stop_serve():

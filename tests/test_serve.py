@@ -11,7 +11,7 @@ import openai
 import pytest
 from conftest import reference_greedy
 from mlx_lm import load as mlx_load
-from serve_fixtures import ENGINE, run_app, serving, tiny_model_dir
+from serve_fixtures import ENGINE, run_apps, serving, tiny_model_dir
 
 KEY = "sk-test"
 
@@ -20,16 +20,18 @@ KEY = "sk-test"
 def served(tmp_path_factory):
     path = str(tiny_model_dir(tmp_path_factory))
     with serving() as base:  # a replica takes one of Ray's 8 CPUs: 6 replicas (tiny models)
-        run_app(base, "main", "/", model=path, model_name="tiny", engine=ENGINE, router="pow2", api_key=KEY)
-        run_app(base, "small", "/small", model=path, model_name="tiny", engine=ENGINE, router="pow2",
-                max_ongoing_requests=1, max_queued_requests=1)
-        run_app(base, "strict", "/strict", model=path, model_name="tiny", router="pow2",
-                engine={**ENGINE, "max_batched_tokens": 2, "request_timeout_s": 1e-3})  # nothing ahead is short enough
-        run_app(base, "pair", "/pair", model=path, model_name="tiny", num_replicas=2, engine={
-            **ENGINE, "max_batched_tokens": 2, "request_timeout_s": 1e-3},  # refuses whatever has work ahead
-            router_kwargs={"load_weight": 0, "kv_weight": 0, "wait_weight": 0, "balance_window": 0})  # prefix only
-        run_app(base, "hybrid", "/hybrid", model=str(tiny_model_dir(tmp_path_factory, "qwen3_next")),
-                model_name="tiny-hybrid", engine=ENGINE, router="pow2")
+        run_apps(base, [
+            ("main", "/", dict(model=path, model_name="tiny", engine=ENGINE, router="pow2", api_key=KEY)),
+            ("small", "/small", dict(model=path, model_name="tiny", engine=ENGINE, router="pow2",
+                                     max_ongoing_requests=1, max_queued_requests=1)),
+            ("strict", "/strict", dict(model=path, model_name="tiny", router="pow2", engine={
+                **ENGINE, "max_batched_tokens": 2, "request_timeout_s": 1e-3})),  # nothing ahead is short enough
+            ("pair", "/pair", dict(model=path, model_name="tiny", num_replicas=2, engine={
+                **ENGINE, "max_batched_tokens": 2, "request_timeout_s": 1e-3},  # refuses whatever has work ahead
+                router_kwargs={"load_weight": 0, "kv_weight": 0, "wait_weight": 0, "balance_window": 0})),  # prefix only
+            ("hybrid", "/hybrid", dict(model=str(tiny_model_dir(tmp_path_factory, "qwen3_next")),
+                                       model_name="tiny-hybrid", engine=ENGINE, router="pow2")),
+        ])
         model, tok = mlx_load(path)
         yield base, model, tok
 
