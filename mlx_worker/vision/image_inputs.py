@@ -41,18 +41,25 @@ def image_hash(pixels: np.ndarray) -> str:
     return m.hexdigest()
 
 
+def token_runs(prompt_ids: List[int], token: int) -> Tuple[List[int], List[int]]:
+    """(starts, ends) of the runs of `token` in the prompt."""
+    where = np.flatnonzero(np.asarray(prompt_ids) == token)
+    if not len(where):
+        return [], []
+    breaks = np.flatnonzero(np.diff(where) > 1)
+    starts = [int(where[0])] + [int(where[b + 1]) for b in breaks]
+    ends = [int(where[b]) + 1 for b in breaks] + [int(where[-1]) + 1]
+    return starts, ends
+
+
 def image_spans(prompt_ids: List[int], image_token_id: int, num_images: int,
                 crops: Optional[List[int]] = None) -> List[Tuple[int, int]]:
     """Each image's token positions: the runs of the image token, one run per image where
     the processor lays them out so, or `crops` runs each (tiles of one image split by
     other tokens); otherwise every image is taken to span all of them."""
-    ids = np.asarray(prompt_ids)
-    where = np.flatnonzero(ids == image_token_id)
-    if not len(where) or not num_images:
+    starts, ends = token_runs(prompt_ids, image_token_id)
+    if not starts or not num_images:
         return []
-    breaks = np.flatnonzero(np.diff(where) > 1)
-    starts = [int(where[0])] + [int(where[b + 1]) for b in breaks]
-    ends = [int(where[b]) + 1 for b in breaks] + [int(where[-1]) + 1]
     if len(starts) == num_images:
         return list(zip(starts, ends))
     if crops is not None and sum(crops) == len(starts):

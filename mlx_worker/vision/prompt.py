@@ -28,7 +28,7 @@ def vision_prompt(processor, config, text: str, images: List) -> Tuple[List[int]
     hashes = [image_hash(np.asarray(im.convert("RGB"))) for im in images]
     image_token = getattr(config, "image_token_index", None) or getattr(config, "image_token_id")
     family = image_features(config.model_type)
-    crops = family.crops(ids, config, processor.tokenizer, len(images)) if hasattr(family, "crops") else None
+    crops = family.crops(ids, image_token, processor.tokenizer, len(images)) if hasattr(family, "crops") else None
     return ids, ImageInputs(arrays=arrays, hashes=hashes, spans=image_spans(ids, image_token, len(images), crops),
                             crops=crops)
 

@@ -151,8 +151,8 @@ class VisionLanguageModel(nn.Module):
         gather = getattr(self._features, "gather", None)
         parts, seen = [], set()
         for images in prompts if gather is not None else ():
-            if hasattr(self._features, "crops") and images.crops is None:
-                continue  # its tiles are not told apart: encoded whole (prompt_embeddings)
+            if not self._cacheable(images):
+                continue  # encoded whole with its prompt (prompt_embeddings)
             which = [i for i, h in enumerate(images.hashes) if h not in seen and not self.image_cache.holds(h)]
             seen.update(images.hashes[i] for i in which)
             if which:
@@ -177,7 +177,7 @@ class VisionLanguageModel(nn.Module):
         arrays = _arrays(images)
         ids = mx.array([prompt_ids])
         cached = {}
-        if self._features is not None and (images.crops is not None or not hasattr(self._features, "crops")):
+        if self._cacheable(images):
             fresh = fresh or {}  # images encoded before are not encoded again
             features = [fresh.get(h) for h in images.hashes]
             missing = [i for i, f in enumerate(features) if f is None]
@@ -204,6 +204,11 @@ class VisionLanguageModel(nn.Module):
         layers = mx.zeros((len(deepstack), len(prompt_ids), out.inputs_embeds.shape[-1]), out.inputs_embeds.dtype)
         layers[:, shown] = mx.stack(list(deepstack)).astype(layers.dtype)
         return mx.concatenate([out.inputs_embeds, layers]).transpose(1, 0, 2)
+
+    def _cacheable(self, images: ImageInputs) -> bool:
+        """Whether its images' features can be had one by one (and cached): the family has
+        a module here, and where it tiles images, this prompt shows which tiles are whose."""
+        return self._features is not None and (images.crops is not None or not hasattr(self._features, "crops"))
 
     def stats(self) -> dict:
         return {**self.image_cache.stats(), "tower_calls": self.tower_calls}

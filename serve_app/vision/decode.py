@@ -111,26 +111,25 @@ class NoRedirect(urllib.request.HTTPRedirectHandler):
         raise ImageError("an image URL redirected; give the final URL")
 
 
-def _connect(conn, address: str) -> socket.socket:
-    return socket.create_connection((address, conn.port), conn.timeout, conn.source_address)
+class _Pinned:
+    """An http.client connection that opens its socket to `address`, not to its host's name."""
 
-
-class _PinnedConnection(http.client.HTTPConnection):
     def __init__(self, *args, address: str, **kwargs):
         super().__init__(*args, **kwargs)
         self.address = address
 
+    def _socket(self) -> socket.socket:
+        return socket.create_connection((self.address, self.port), self.timeout, self.source_address)
+
+
+class _PinnedConnection(_Pinned, http.client.HTTPConnection):
     def connect(self):
-        self.sock = _connect(self, self.address)
+        self.sock = self._socket()
 
 
-class _PinnedTLSConnection(http.client.HTTPSConnection):
-    def __init__(self, *args, address: str, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.address = address
-
+class _PinnedTLSConnection(_Pinned, http.client.HTTPSConnection):
     def connect(self):  # the certificate is checked against the URL's host name, as usual
-        self.sock = self._context.wrap_socket(_connect(self, self.address), server_hostname=self.host)
+        self.sock = self._context.wrap_socket(self._socket(), server_hostname=self.host)
 
 
 class PinnedHTTP(urllib.request.HTTPHandler):

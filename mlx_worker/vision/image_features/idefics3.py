@@ -8,13 +8,15 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..image_inputs import token_runs
+from . import rows_of, split
 
-def crops(prompt_ids: List[int], config, tokenizer, num_images: int) -> Optional[List[int]]:
+
+def crops(prompt_ids: List[int], image_token: int, tokenizer, num_images: int) -> Optional[List[int]]:
     """Per image, how many rows of pixel_values are its (None when the prompt does not
     show it: then images are encoded whole with each request)."""
     ids = np.asarray(prompt_ids)
-    shown = ids == (getattr(config, "image_token_index", None) or config.image_token_id)
-    starts = np.flatnonzero(shown & ~np.concatenate([[False], shown[:-1]]))
+    starts = np.array(token_runs(prompt_ids, image_token)[0], int)
     closes = ids[starts - 1] == tokenizer.convert_tokens_to_ids("<global-img>")
     ends = np.flatnonzero(closes)
     if len(ends) != num_images or not len(starts) or not closes[-1]:
@@ -26,8 +28,7 @@ def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]
     """The images `which` in one call of the tower, as mlx-vlm's `get_input_embeddings`
     runs it over a prompt's rows."""
     counts = arrays["crops"]
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    rows = mx.array(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in which]))
+    rows = mx.array(rows_of(counts, which))
     pixels = arrays["pixel_values"][0][rows]
     mask = arrays.get("pixel_attention_mask")
     mask = mx.ones((pixels.shape[0], *pixels.shape[2:]), mx.bool_) if mask is None else mask[0][rows]
@@ -38,8 +39,7 @@ def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]
     hidden, *_ = vlm.vision_model(pixels.transpose(0, 2, 3, 1), patch_attention_mask=patches.sum(axis=(-1, -2)) > 0,
                                   output_hidden_states=True)
     features = vlm.connector(hidden.astype(pixels.dtype))  # (rows, image_seq_len, hidden)
-    ends = np.cumsum([counts[i] for i in which])
-    return [features[int(a) : int(b)].reshape(-1, features.shape[-1]) for a, b in zip([0, *ends[:-1]], ends)]
+    return [f.reshape(-1, features.shape[-1]) for f in split(features, [counts[i] for i in which])]
 
 
 def join(features: List[mx.array]) -> mx.array:
@@ -51,8 +51,7 @@ def gather(parts: List[Tuple[Dict[str, mx.array], List[int]]]) -> Optional[Dict[
     their tiles differ in size: each prompt's are then encoded apart)."""
     pixels, masks, counts = [], [], []
     for arrays, which in parts:
-        starts = np.concatenate([[0], np.cumsum(arrays["crops"])])
-        rows = mx.array(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in which]))
+        rows = mx.array(rows_of(arrays["crops"], which))
         pixels.append(arrays["pixel_values"][:, rows])
         mask = arrays.get("pixel_attention_mask")
         masks.append(mx.ones((1, len(rows), *pixels[-1].shape[3:]), mx.bool_) if mask is None else mask[:, rows])

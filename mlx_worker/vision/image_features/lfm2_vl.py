@@ -9,13 +9,15 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..image_inputs import token_runs
+from . import rows_of, split
 
-def crops(prompt_ids: List[int], config, tokenizer, num_images: int) -> Optional[List[int]]:
+
+def crops(prompt_ids: List[int], image_token: int, tokenizer, num_images: int) -> Optional[List[int]]:
     """Per image, how many rows of pixel_values are its views (None when the prompt does
     not show it: then images are encoded whole with each request)."""
     ids = np.asarray(prompt_ids)
-    shown = ids == (getattr(config, "image_token_index", None) or config.image_token_id)
-    run_starts = np.flatnonzero(shown & ~np.concatenate([[False], shown[:-1]]))
+    run_starts = np.array(token_runs(prompt_ids, image_token)[0], int)
     opens = np.flatnonzero(ids == tokenizer.convert_tokens_to_ids("<|image_start|>"))
     closes = np.flatnonzero(ids == tokenizer.convert_tokens_to_ids("<|image_end|>"))
     if len(opens) != num_images or len(closes) != num_images:
@@ -27,12 +29,10 @@ def crops(prompt_ids: List[int], config, tokenizer, num_images: int) -> Optional
 def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]:
     """The images `which` in one call of the tower."""
     counts = arrays["crops"]
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    rows = mx.array(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in which]))
+    rows = mx.array(rows_of(counts, which))
     views = vlm.encode_images(arrays["pixel_values"][rows], spatial_shapes=arrays["spatial_shapes"][rows],
                               pixel_attention_mask=arrays["pixel_attention_mask"][rows])
-    ends = np.cumsum([counts[i] for i in which])
-    return [mx.concatenate(views[int(a) : int(b)]) for a, b in zip([0, *ends[:-1]], ends)]
+    return [mx.concatenate(v) for v in split(views, [counts[i] for i in which])]
 
 
 def join(features: List[mx.array]) -> mx.array:
@@ -44,8 +44,7 @@ def gather(parts: List[Tuple[Dict[str, mx.array], List[int]]]) -> Dict[str, mx.a
     packed to the longest (the padding masked out, as within a prompt)."""
     pixels, masks, shapes, counts = [], [], [], []
     for arrays, which in parts:
-        starts = np.concatenate([[0], np.cumsum(arrays["crops"])])
-        rows = mx.array(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in which]))
+        rows = mx.array(rows_of(arrays["crops"], which))
         pixels.append(arrays["pixel_values"][rows])
         masks.append(arrays["pixel_attention_mask"][rows])
         shapes.append(arrays["spatial_shapes"][rows])

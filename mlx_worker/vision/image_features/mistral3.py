@@ -7,6 +7,7 @@ from typing import Dict, List
 import mlx.core as mx
 import numpy as np
 
+from . import split
 from .pixtral import gather  # noqa: F401
 
 
@@ -21,8 +22,7 @@ def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]
     features = vlm.multi_modal_projector(selected, sizes)
     cell = vlm.config.vision_config.patch_size * vlm.config.spatial_merge_size
     counts = [(int(h) // cell) * (int(w) // cell) for h, w in np.array(sizes)]
-    ends = np.cumsum(counts)
-    return [features[int(a) : int(b)] for a, b in zip([0, *ends[:-1]], ends)]
+    return split(features, counts)
 
 
 def join(features: List[mx.array]) -> mx.array:

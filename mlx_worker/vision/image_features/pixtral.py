@@ -7,6 +7,8 @@ from typing import Dict, List, Tuple
 import mlx.core as mx
 import numpy as np
 
+from . import split
+
 
 def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]:
     """The images `which` in one call of the tower (all of a prompt's: as mlx-vlm calls it)."""
@@ -16,8 +18,7 @@ def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]
     features = vlm.multi_modal_projector(hidden[vlm.vision_feature_layer])
     features = features.reshape(-1, features.shape[-1])
     patch = vlm.config.vision_config.patch_size
-    ends = np.cumsum([(int(h) // patch) * (int(w) // patch) for h, w in np.array(sizes)])
-    return [features[int(a) : int(b)] for a, b in zip([0, *ends[:-1]], ends)]
+    return split(features, [(int(h) // patch) * (int(w) // patch) for h, w in np.array(sizes)])
 
 
 def join(features: List[mx.array]) -> mx.array:

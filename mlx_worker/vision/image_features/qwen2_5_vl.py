@@ -8,18 +8,14 @@ from typing import Dict, List, Tuple
 import mlx.core as mx
 import numpy as np
 
-
-def patch_rows(grid: np.ndarray, which: List[int]) -> np.ndarray:
-    """The rows of pixel_values that hold the images `which` (grid: image_grid_thw)."""
-    starts = np.concatenate([[0], np.cumsum(grid.prod(axis=1))])
-    return np.concatenate([np.arange(starts[i], starts[i + 1]) for i in which])
+from . import rows_of, split
 
 
 def gather(parts: List[Tuple[Dict[str, mx.array], List[int]]]) -> Dict[str, mx.array]:
     """The arrays of the images `which` of each (arrays, which), as one prompt's: the tower
     attends within each image (its grid), so images of several prompts share a call."""
     grids = [np.array(arrays["image_grid_thw"]) for arrays, _ in parts]
-    pixels = [arrays["pixel_values"][mx.array(patch_rows(g, which))] for g, (arrays, which) in zip(grids, parts)]
+    pixels = [arrays["pixel_values"][mx.array(rows_of(g.prod(axis=1), which))] for g, (arrays, which) in zip(grids, parts)]
     return {"pixel_values": mx.concatenate(pixels),
             "image_grid_thw": np.concatenate([g[which] for g, (_, which) in zip(grids, parts)])}
 
@@ -27,14 +23,13 @@ def gather(parts: List[Tuple[Dict[str, mx.array], List[int]]]) -> Dict[str, mx.a
 def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]:
     """The images `which` in one call of the tower (all of a prompt's: as mlx-vlm calls it)."""
     grid = np.array(arrays["image_grid_thw"])
-    rows = patch_rows(grid, which)
+    rows = rows_of(grid.prod(axis=1), which)
     dtype = vlm.vision_tower.patch_embed.proj.weight.dtype
     out = vlm.vision_tower(arrays["pixel_values"][mx.array(rows)].astype(dtype), mx.array(grid[which]))
     if isinstance(out, tuple):  # (features, deepstack features)
         out = out[0]
     merge = vlm.config.vision_config.spatial_merge_size ** 2
-    ends = np.cumsum(grid[which].prod(axis=1) // merge)
-    return [out[int(a) : int(b)] for a, b in zip([0, *ends[:-1]], ends)]
+    return split(out, grid[which].prod(axis=1) // merge)
 
 
 def join(features: List[mx.array]) -> mx.array:

@@ -8,13 +8,14 @@ from typing import Dict, List
 import mlx.core as mx
 import numpy as np
 
-from .qwen2_5_vl import gather, patch_rows  # noqa: F401  (the same patches and grids)
+from . import rows_of
+from .qwen2_5_vl import gather  # noqa: F401  (the same patches and grids)
 
 
 def encode(vlm, arrays: Dict[str, mx.array], which: List[int]) -> List[mx.array]:
     """The images `which` in one call of the tower (all of a prompt's: as mlx-vlm calls it)."""
     grid = np.array(arrays["image_grid_thw"])
-    rows = patch_rows(grid, which)
+    rows = rows_of(grid.prod(axis=1), which)
     dtype = vlm.vision_tower.patch_embed.proj.weight.dtype
     features, deepstack = vlm.vision_tower(arrays["pixel_values"][mx.array(rows)].astype(dtype), mx.array(grid[which]))
     stacked = mx.stack([features, *deepstack])
