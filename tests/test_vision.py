@@ -1,6 +1,8 @@
 """Images in prompts: a vision-language checkpoint (mlx-vlm's classes: a tiny random
-Gemma 3, a Gemma 4 (per-layer inputs, KV shared across layers), a Qwen2.5-VL, whose M-RoPE positions the engine makes per row, a Qwen3-VL, whose
-first layers add image features too (deepstack), a Qwen3.5 (hybrid: recurrent layers
+Gemma 3, a Gemma 4 (per-layer inputs, KV shared across layers) and one of the larger
+Gemma 4s' layout, whose image tokens attend to each other both ways, a Qwen2.5-VL, whose
+M-RoPE positions the engine makes per row, a Qwen3-VL, whose first layers add image
+features too (deepstack), a Qwen3.5 (hybrid: recurrent layers
 between the attention ones), an Idefics3, a SmolVLM (and one that tiles its images), a
 Mistral 3 with its Pixtral tower, a Pixtral and an LFM2-VL (hybrid too, its images tiled))
 served by the engine gives mlx-vlm's own greedy tokens, alone and batched with text and
@@ -26,10 +28,11 @@ from mlx_worker.vision.image_inputs import image_spans
 N = 10
 
 
-@pytest.fixture(scope="module", params=["gemma3", "gemma4", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3",
+@pytest.fixture(scope="module", params=["gemma3", "gemma4", "gemma4_bidirectional", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3",
                                                 "smolvlm", "smolvlm_tiles", "mistral3", "pixtral", "lfm2_vl"])
 def checkpoint(request, tmp_path_factory):
     save = {"gemma3": save_tiny_gemma3_vision, "gemma4": save_tiny_gemma4_vision,
+            "gemma4_bidirectional": lambda path: save_tiny_gemma4_vision(path, bidirectional=True),
             "qwen2_5_vl": save_tiny_qwen2_5_vision,
             "idefics3": save_tiny_idefics3_vision,
             "smolvlm": lambda path: save_tiny_idefics3_vision(path, model_type="smolvlm"),
@@ -235,5 +238,31 @@ def test_the_images_of_prompts_arriving_together_share_one_call_of_the_tower(che
         for (messages, images), (toks, _) in zip(convs, outs):
             assert toks == reference(messages, images)
         assert eng.stats()["images"]["images_encoded"] == 3
+    finally:
+        eng.shutdown()
+
+
+def test_image_tokens_attending_both_ways_resume_from_a_prefix_hit_inside_the_image(tmp_path):
+    """Gemma 4's larger checkpoints: the image's tokens attend to each other both ways.
+    A second prompt that shares the first's image but not its question hits the pages up
+    to one inside the image's tokens (their keys were computed with the whole image in
+    view); the rest of the image is computed seeing all of it, as mlx-vlm's one forward."""
+    from mlx_vlm import load, stream_generate
+    from tiny_vision import save_tiny_gemma4_vision
+
+    checkpoint = str(save_tiny_gemma4_vision(tmp_path, bidirectional=True))
+    vlm, processor = load(checkpoint)
+    eng = Engine(EngineConfig(model=checkpoint, max_total_tokens=4096))
+    try:
+        lead = "Words before the picture:"  # its image's tokens at 10 .. 21: the first page ends inside
+        for rid, question in (("a", "What is it?"), ("b", "Its colours?")):
+            messages = [user(lead, None, question)]
+            req = request(eng, rid, messages, [picture(9)])
+            (toks, last), = run(eng, [req])
+            want = [r.token for r in stream_generate(vlm, processor, render(processor, messages), image=[picture(9)],
+                                                     max_tokens=N, temperature=0.0)][:N]
+            assert toks == want
+        (start, end), = req.images.blocks
+        assert start < last.num_cached_tokens < end
     finally:
         eng.shutdown()

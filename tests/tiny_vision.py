@@ -279,10 +279,12 @@ def save_tiny_lfm2_vl_vision(path: Path, seed: int = 0) -> Path:
 GEMMA4_TOKENS = {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>"}
 
 
-def save_tiny_gemma4_vision(path: Path, seed: int = 0) -> Path:
+def save_tiny_gemma4_vision(path: Path, seed: int = 0, bidirectional: bool = False) -> Path:
     """A Gemma 4 checkpoint: its vision tower (2 layers, 16 px patches, pooled 2 x 2) and a
     4-layer text model with per-layer inputs and its last 2 layers reading earlier layers'
-    KV (E2B/E4B's layout); an image is at most 16 soft tokens."""
+    KV (E2B/E4B's layout); an image is at most 16 soft tokens. `bidirectional`: the 26B /
+    31B layout instead (no per-layer inputs, no shared KV, full-attention keys that are
+    their values), whose image tokens attend to each other both ways."""
     path = Path(path)
     tok = tiny_tokenizer(path, GEMMA4_TOKENS.values(), GEMMA4_TOKENS["image_token"])
     config_file = path / "tokenizer_config.json"
@@ -306,6 +308,9 @@ def save_tiny_gemma4_vision(path: Path, seed: int = 0) -> Path:
                               patch_size=16, position_embedding_size=64, pooling_kernel_size=2,
                               default_output_length=16, rope_parameters={"rope_theta": 100.0}),
     }
+    if bidirectional:
+        config["text_config"].update(hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=True,
+                                     use_bidirectional_attention="vision")
     (path / "config.json").write_text(json.dumps(config))
     image = {"patch_size": 16, "max_soft_tokens": 16, "pooling_kernel_size": 2, "do_resize": True,
              "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": False}

@@ -1,6 +1,6 @@
 """mlx-lm cache objects over the paged pool, so unmodified mlx-lm models run on it."""
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -14,12 +14,15 @@ class BatchLayout:
 
     Row b feeds `L` tokens at positions offsets[b] .. offsets[b] + L - 1 and attends to
     positions 0 .. offsets[b] + L - 1. Rows may have different lengths (ragged decode);
-    keys past a row's end are padding, hidden by the mask.
+    keys past a row's end are padding, hidden by the mask. `blocks`: per row, runs of
+    positions [start, end) whose tokens attend to each other both ways (the image tokens
+    of Gemma 4's larger checkpoints); a row's chunk never ends inside one (scheduler).
     """
 
     def __init__(self, page_tables: Sequence[Sequence[int]], offsets: Sequence[int], L: int, page_size: int,
-                 head_groups: bool = False):
+                 head_groups: bool = False, blocks: Optional[Sequence[Optional[List[Tuple[int, int]]]]] = None):
         offs = np.asarray(offsets, dtype=np.int64)
+        self.bidirectional = self._bidirectional(offs, L, blocks) if blocks else None
         self.uniform = bool((offs == offs[0]).all())
         self.head_groups = head_groups  # the model splits heads into groups: masks get one more axis
         self.L = L
@@ -68,16 +71,31 @@ class BatchLayout:
             self._masks[window] = self._make_mask(window)
         return self._masks[window]
 
+    def _bidirectional(self, offs: np.ndarray, L: int, blocks) -> Optional[np.ndarray]:
+        """(B, L, Lk): where a row's query and key lie in one of its blocks, or None."""
+        Lk = int(offs.max()) + L
+        out = None
+        for b, (o, row_blocks) in enumerate(zip(offs, blocks)):
+            for s, t in row_blocks or ():
+                q0, q1 = max(s, o), min(t, o + L)
+                if q0 < q1:
+                    out = np.zeros((len(offs), L, Lk), dtype=bool) if out is None else out
+                    out[b, q0 - o : q1 - o, s:q1] = True
+        return out
+
     def _make_mask(self, window: Optional[int]) -> Optional[mx.array]:
-        if self.uniform and self.L == 1 and (window is None or self.Lk <= window):
+        uniform = self.uniform and self.bidirectional is None
+        if uniform and self.L == 1 and (window is None or self.Lk <= window):
             return None  # every key is visible to every row
-        offsets = self.offsets_np[:1] if self.uniform else self.offsets_np
+        offsets = self.offsets_np[:1] if uniform else self.offsets_np
         q = offsets[:, None] + np.arange(self.L)[None]  # (B, L)
         k = np.arange(self.Lk)[None, None]  # (1, 1, Lk)
         m = k <= q[:, :, None]
         if window is not None:
             m &= k > q[:, :, None] - window
-        if self.uniform:
+        if self.bidirectional is not None:  # as mlx-vlm's Gemma 4 overlays it on either kind of mask
+            m |= self.bidirectional
+        if uniform:
             return mx.array(m[0])  # (L, Lk): broadcasts against any head layout
         return mx.array(m[:, None, None] if self.head_groups else m[:, None])  # (B, 1, [1,] L, Lk)
 

@@ -64,7 +64,9 @@ class StepKV:
 
     def forward(self, seqs: Sequence, offsets: Sequence[int], L: int, staged: Optional[DecodeKV] = None) -> ForwardKV:
         """The caches of one forward whose row b feeds `L` tokens from position offsets[b]."""
-        layout = BatchLayout([s.pages for s in seqs], offsets, L, self.pool.page_size, self.head_groups)
+        blocks = [s.images.blocks if s.images is not None else None for s in seqs]
+        layout = BatchLayout([s.pages for s in seqs], offsets, L, self.pool.page_size, self.head_groups,
+                             blocks if any(blocks) else None)
         state_caches = self.states.caches([s.state for s in seqs]) if self.states else []
         caches = forward_caches(self.tree, self.pool, layout, state_caches, staged)
         return ForwardKV(caches, state_caches, seqs, staged, self)

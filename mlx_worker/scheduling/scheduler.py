@@ -249,12 +249,17 @@ class Scheduler:
 
     def _schedule_prefill(self, plan: StepPlan, seq: Sequence, room: StepRoom) -> int:
         start = seq.num_computed
-        length = room.prefill(start, seq.num_tokens - start)
-        length = min(length, (len(seq.pages) + self.pages.available()) * self.page_size - start)
+        fits = (len(seq.pages) + self.pages.available()) * self.page_size - start
+        length = min(room.prefill(start, seq.num_tokens - start), fits)
         if length <= 0:
             return 0
         if self.snapshots is not None:
             length = self._end_on_snapshot_point(seq, start, length)
+        length = self._end_outside_image_blocks(seq, start, length, extend=True)
+        if length > fits:
+            length = self._end_outside_image_blocks(seq, start, fits, extend=False)
+        if length <= 0:
+            return 0
         need = -(-(start + length) // self.page_size) - len(seq.pages)
         if need > 0:
             seq.pages += self.pages.allocate(need)
@@ -281,6 +286,18 @@ class Scheduler:
                 return point - start
         if start + length < seq.num_tokens and (start + length) // P * P > start:
             return (start + length) // P * P - start
+        return length
+
+    @staticmethod
+    def _end_outside_image_blocks(seq: Sequence, start: int, length: int, extend: bool) -> int:
+        """A chunk of a prompt whose image tokens attend to each other both ways
+        (`ImageInputs.blocks`) ends before an image's tokens or after them, never inside:
+        the chunk's tokens of an image see all of its keys. An image that begins at the
+        chunk's start is taken whole, past the step's room (0 where it may not `extend`)."""
+        blocks = seq.images.blocks if seq.images is not None else None
+        for s, t in blocks or ():
+            if s < start + length < t:
+                return s - start if s > start else (t - start if extend else 0)
         return length
 
     @staticmethod

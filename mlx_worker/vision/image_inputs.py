@@ -13,13 +13,16 @@ class ImageInputs(BaseModel):
     per family image_grid_thw, pixel_attention_mask, ...); `hashes`: one per image, of its
     decoded pixels; `spans`: the prompt positions [start, end) of each image's tokens;
     `crops`: where a family tiles images (Idefics3, SmolVLM), each one's rows of
-    pixel_values (None: not known, and its images are encoded whole each request)."""
+    pixel_values (None: not known, and its images are encoded whole each request);
+    `blocks`: where the model's image tokens attend to each other both ways (Gemma 4's
+    larger checkpoints: each run of image tokens), those runs [start, end), else None."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     arrays: Dict[str, Any]
     hashes: List[str]
     spans: List[Tuple[int, int]]
     crops: Optional[List[int]] = None  # per image, its rows of pixel_values (families that tile images)
+    blocks: Optional[List[Tuple[int, int]]] = None
 
     def page_salts(self, num_tokens: int, page_size: int) -> List[bytes]:
         """Per page of the prompt, the hashes of the images whose tokens it holds (b"" for

@@ -8,7 +8,7 @@ from typing import List, Tuple
 import numpy as np
 
 from .image_features import image_features
-from .image_inputs import ImageInputs, image_hash, image_spans
+from .image_inputs import ImageInputs, image_hash, image_spans, token_runs
 
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -29,8 +29,10 @@ def vision_prompt(processor, config, text: str, images: List) -> Tuple[List[int]
     image_token = getattr(config, "image_token_index", None) or getattr(config, "image_token_id")
     family = image_features(config.model_type)
     crops = family.crops(ids, image_token, processor.tokenizer, len(images)) if hasattr(family, "crops") else None
+    both_ways = getattr(getattr(config, "text_config", None), "use_bidirectional_attention", None) == "vision"
+    blocks = list(zip(*token_runs(ids, image_token))) if both_ways else None
     return ids, ImageInputs(arrays=arrays, hashes=hashes, spans=image_spans(ids, image_token, len(images), crops),
-                            crops=crops)
+                            crops=crops, blocks=blocks)
 
 
 def _array(v):

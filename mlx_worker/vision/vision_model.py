@@ -273,10 +273,6 @@ def load_vision_model(path: str):
     model_type = vlm.config.model_type
     if model_type not in FAMILIES:
         raise ValueError(f"vision model type {model_type!r} is not served yet (served: {', '.join(FAMILIES)})")
-    if getattr(getattr(vlm.config, "text_config", None), "use_bidirectional_attention", None) == "vision":
-        # Image tokens attending to later image tokens: a prefill chunk inside an image, or a
-        # prefix hit, would need keys not computed yet.
-        raise ValueError(f"{model_type}: bidirectional attention over image tokens is not served yet")
     eos = vlm.config.eos_token_id
     eos = [eos] if isinstance(eos, int) else eos
     return VisionLanguageModel(vlm, processor), TokenizerWrapper(processor.tokenizer, eos_token_ids=eos)

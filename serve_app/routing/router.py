@@ -193,9 +193,5 @@ __all__ = [
     "PrefixAffinityConfig",
     "PrefixAffinityPolicy",
     "PrefixAffinityRouter",
-    "ReplicaCacheState",
-    "ReplicaScore",
-    "Ranking",
     "extract_page_hashes",
-    "prefix_match_len",
 ]
