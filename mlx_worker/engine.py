@@ -236,13 +236,12 @@ class Engine:
         """The prefix cache's SSD tier where configured and possible (said in the log where not)."""
         if not config.prefix_cache_dir:
             return None
-        why_not = ("a replica over several Macs" if ranks else
-                   "a draft model or MTP heads (their KV is not on disk)" if drafter is not None else None)
-        if why_not:
-            log.warning("prefix_cache_dir is set, but not used for %s", why_not)
+        if ranks:
+            log.warning("prefix_cache_dir is set, but not used for a replica over several Macs")
             return None
         disk = open_disk_tier(config.prefix_cache_dir, config.prefix_cache_max_bytes, model, self.pool,
-                              config.kv_bits, tree.states)
+                              config.kv_bits, tree.states,
+                              (drafter.weights, drafter.pool) if drafter is not None else None)
         if disk is not None:
             self.pages.listener = disk.published
             if disk.states is not None:

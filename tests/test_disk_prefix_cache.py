@@ -2,9 +2,10 @@
 are on disk soon after, without a shutdown, and another engine (a restart, or a second
 replica of the Mac beside it) reads them back as cached tokens with mlx-lm's greedy
 tokens; pages evicted from memory come back from disk; a damaged file is never served;
-another model never reads these pages; quantized pages go to disk as they are; a
-directory that cannot be used, or a disk whose writes fail, loses nothing; a hybrid
-model's state snapshots go to disk and a restart resumes from them."""
+another model never reads these pages; a draft model's KV goes to disk with the pages;
+quantized pages go to disk as they are; a directory that cannot be used, or a disk whose
+writes fail, loses nothing; a hybrid model's state snapshots go to disk and a restart
+resumes from them."""
 
 import random
 import time
@@ -31,9 +32,9 @@ def model():
     return make_tiny_model("llama")
 
 
-def engine(model, directory, **kw):
+def engine(model, directory, draft_model=None, **kw):
     kw.setdefault("max_total_tokens", 1024)
-    return Engine(EngineConfig(prefix_cache_dir=str(directory), **kw), model=model)
+    return Engine(EngineConfig(prefix_cache_dir=str(directory), **kw), model=model, draft_model=draft_model)
 
 
 def written(eng, pages, timeout=30):
@@ -163,6 +164,31 @@ def test_another_model_never_reads_these_pages(model, tmp_path):
         assert toks == reference_greedy(other_model, p, N) and last.num_cached_tokens == 0
     finally:
         other.shutdown()
+
+
+def test_a_draft_models_kv_comes_back_from_disk_with_the_pages(model, tmp_path):
+    """Speculative method draft, the model its own draft (its drafts are right only where
+    its KV is the target's): the draft's KV is filed with each page, so after a restart
+    the pages read back serve its drafts too. Another configuration (no drafter) has
+    pages of its own."""
+    p = prompt(6)
+    spec = dict(speculative={"method": "draft", "draft_model": "tiny", "adaptive": False, "num_draft_tokens": 4},
+                draft_model=model)
+    filed(model, tmp_path, p, **spec)
+    again = engine(model, tmp_path, **spec)
+    try:
+        (toks, last), = run_requests(again, [p], 24)
+        assert toks == reference_greedy(model, p, 24) and last.num_cached_tokens == 12 * PAGE
+        drafts = again.stats()["speculative"]
+        assert drafts["verify_rows"] > 0 and drafts["acceptance_rate"] > 0.97, drafts
+    finally:
+        again.shutdown()
+    plain = engine(model, tmp_path)
+    try:
+        (_, last), = run_requests(plain, [p], N)
+        assert last.num_cached_tokens == 0
+    finally:
+        plain.shutdown()
 
 
 def test_quantized_pages_go_to_disk_as_they_are(tmp_path):

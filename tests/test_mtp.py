@@ -199,3 +199,31 @@ def test_a_checkpoint_without_mtp_weights_is_refused(tmp_path):
     path = save_tiny_model("llama", tmp_path / "llama", tokenizer_dir=default_model_path())
     with pytest.raises(ValueError, match="built for qwen3_next, qwen3_5, qwen3_5_moe, deepseek_v3, glm4_moe, not llama"):
         Engine(EngineConfig(model=str(path), speculative={"method": "mtp"}, max_total_tokens=1024))
+
+
+def test_the_heads_kv_comes_back_from_disk_with_the_pages(tmp_path):
+    """With the prefix cache on the SSD (kv_tiers/): a restarted engine reads the
+    prompt's pages back, the head's KV in them too, and its drafts are still the head's
+    own (computed plainly over the whole prompt)."""
+    path = tmp_path / "glm4_moe"
+    head = save_with_mtp("glm4_moe", path)
+    model, _ = mlx_load(str(path))
+    p = prompts(1, 200, 201, seed=32)[0]
+    config = dict(model=str(path), speculative={"method": "mtp", "adaptive": False, "num_draft_tokens": 3},
+                  max_total_tokens=2048, prefix_cache_dir=str(tmp_path / "kv"))
+    first = Engine(EngineConfig(**config))
+    try:
+        run(first, [p], 4)
+        first.disk.flush()
+    finally:
+        first.shutdown()
+    again = Engine(EngineConfig(**config))
+    try:
+        again.speculator.log = []
+        assert run(again, [p], 12) == [reference_greedy(model, p, 12)]
+        assert again.stats()["prefix_cache_disk"]["hit_tokens"] == 200 // 16 * 16
+        assert again.speculator.log
+        for tokens, drafts in again.speculator.log:
+            assert drafts == reference_drafts(model, head, tokens, len(drafts)), len(tokens)
+    finally:
+        again.shutdown()

@@ -50,8 +50,21 @@ class Capture:
         self.state_hashes, self.states = state_hashes, states
 
 
+class PageArrays:
+    """The arrays that hold a page's KV, one file's worth: the model's pool's and, where a
+    drafter keeps KV of its own on the same pages (a draft model, MTP heads:
+    speculative/), its pool's, so a page read back serves the drafter too."""
+
+    def __init__(self, pools: Sequence[KVPool]):
+        self.pools = list(pools)
+        self.page_size = self.pools[0].page_size
+
+    def arrays(self) -> List[mx.array]:
+        return [a for pool in self.pools for a in pool.arrays()]
+
+
 class DiskTier:
-    def __init__(self, pool: KVPool, files: PageFiles, max_bytes: int, readers: int = 4,
+    def __init__(self, pool: PageArrays, files: PageFiles, max_bytes: int, readers: int = 4,
                  states: Optional[DiskStates] = None):
         self.pool = pool
         self.files = files
@@ -280,7 +293,7 @@ class DiskTier:
                 "bytes": self.bytes_on_disk, "max_bytes": self.max_bytes}
 
 
-def page_layout(pool: KVPool) -> List[Tuple[tuple, np.dtype]]:
+def page_layout(pool: PageArrays) -> List[Tuple[tuple, np.dtype]]:
     """(shape, NumPy dtype) of each pool array's share of one page."""
     return [((a.shape[0], pool.page_size, a.shape[2]), numpy_dtype(a.dtype)) for a in pool.arrays()]
 
@@ -299,12 +312,16 @@ def model_fingerprint(model) -> str:
 
 
 def open_disk_tier(directory: str, max_bytes: int, model, pool: KVPool, kv_bits: Optional[int],
-                   state_specs: Sequence[StateSpec] = ()):
-    """The tier over `directory` for this model and pool (and recurrent layers' states),
-    or None when the directory cannot be used (said in the log: the engine serves without it)."""
+                   state_specs: Sequence[StateSpec] = (), drafter=None):
+    """The tier over `directory` for this model and pool (and recurrent layers' states;
+    `drafter`: a draft model's or MTP head's KV on the same pages, as (its weights, its
+    pool)), or None when the directory cannot be used (said in the log: the engine serves
+    without it)."""
+    pool = PageArrays([pool] + ([drafter[1]] if drafter else []))
     layout = page_layout(pool)
     key = {"model": model_fingerprint(model), "page_size": pool.page_size, "kv_bits": kv_bits,
-           "layout": [(shape, d.str) for shape, d in layout]}
+           "layout": [(shape, d.str) for shape, d in layout],
+           **({"drafter": model_fingerprint(drafter[0])} if drafter else {})}
     root = os.path.expanduser(directory)
     try:
         files = PageFiles(root, namespace(key), layout)

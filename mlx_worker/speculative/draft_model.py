@@ -30,6 +30,7 @@ from ..models.output_head import split_output_head
 class DraftModel:
     def __init__(self, model, tree: CacheTree, num_pages: int, page_size: int, head_groups: bool, group=None):
         self.model, self.tree, self.group = model, tree, group
+        self.weights = model  # what its KV is computed with (the SSD tier's key)
         self.pool = KVPool(tree.kv, tree.kv_dtype, num_pages, page_size)
         self.kv = StepKV(self.pool, tree, head_groups=head_groups)
         split = split_output_head(model)

@@ -55,6 +55,7 @@ class MTPDrafter:
         if split is None:
             raise ValueError("speculative method 'mtp' needs the model's output head apart from its body")
         self.head, self.output_head = head, split[1]
+        self.weights = head  # what its KV is computed with (the SSD tier's key)
         body, args = text_model(model)
         self.embed = body.embed_tokens
         dtype = next(v.dtype for _, v in tree_flatten(head.parameters()) if mx.issubdtype(v.dtype, mx.floating))
