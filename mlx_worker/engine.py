@@ -236,12 +236,20 @@ class Engine:
         """The prefix cache's SSD tier where configured and possible (said in the log where not)."""
         if not config.prefix_cache_dir:
             return None
-        if ranks:
-            log.warning("prefix_cache_dir is set, but not used for a replica over several Macs")
+        if ranks and tree.states:
+            log.warning("prefix_cache_dir is set, but not used for a model with recurrent layers over several Macs")
             return None
         disk = open_disk_tier(config.prefix_cache_dir, config.prefix_cache_max_bytes, model, self.pool,
                               config.kv_bits, tree.states,
-                              (drafter.weights, drafter.pool) if drafter is not None else None)
+                              (drafter.weights, drafter.pool) if drafter is not None else None,
+                              (ranks.rank, ranks.size) if ranks else None)
+        if ranks and ranks.min(int(disk is not None)) == 0:  # every rank has the tier, or none uses it
+            if disk is not None:
+                log.warning("prefix_cache_dir is not used: another rank of this replica cannot use it")
+                disk.close()
+            return None
+        if ranks:
+            disk.agree = ranks.min
         if disk is not None:
             self.pages.listener = disk.published
             if disk.states is not None:

@@ -3,7 +3,8 @@ with MLX's `ring` backend serve a tiny model split by mlx-lm's own `model.shard`
 or `model.model.pipeline` (qwen3_next: a hybrid). Rank 0 takes the requests; rank 1
 replays its schedule. Tokens equal mlx-lm's on the whole model (greedy)
 and the single-rank engine's (seeded sampling, JSON schema), under batching, chunked
-prefill, prefix hits and preemption; a rank that dies fails the requests in flight."""
+prefill, prefix hits and preemption, and prefix pages read back from disk; a rank that
+dies fails the requests in flight."""
 
 import asyncio
 import itertools
@@ -37,6 +38,7 @@ BATCH = prompts(6, 3, 70, seed=1) + prompts(1, 90, 91, seed=2)  # the last one i
 SHARED = prompts(1, 70, 71, seed=3)[0]
 PREEMPT = prompts(4, 30, 40, seed=4)
 AGAIN = prompts(3, 10, 20, seed=5)  # sent twice: the second time, drafted from the first's outputs
+DISKED = prompts(1, 200, 201, seed=6)[0]  # 12 full pages of 16 tokens
 
 
 def _collect(engine, rid, prompt, params):
@@ -68,6 +70,25 @@ def _scenarios(engine_for, rank):
         results["preemptions"] = engine.stats()["preemptions"]
         engine.shutdown()
     engine.join(60)
+    return results
+
+
+def _disk_restarts(engine_for, rank, directory):
+    """Three engines in turn over one prefix_cache_dir (each rank files its share of every
+    page under its own key); before the third, rank 1 loses its file of the 6th page.
+    Rank 0's (tokens, cached tokens) of DISKED each time."""
+    from mlx_worker.memory.paging import page_hashes
+
+    results = []
+    for turn in range(3):
+        engine = engine_for(max_total_tokens=1024, prefix_cache_dir=directory)
+        if rank == 0:
+            (toks, last), = run_requests(engine, [DISKED], 8)
+            results.append((toks, last.num_cached_tokens))
+            engine.shutdown()
+        engine.join(60)  # and the pages handed to the writer are on disk
+        if turn == 1 and rank == 1:
+            os.remove(engine.disk.files.path(page_hashes(DISKED[: 6 * 16], 16)[5]))
     return results
 
 
@@ -105,6 +126,8 @@ def _rank_main(rank, hosts, leader, task, arch, split, queue):
 
         if task == "scenarios":
             result = _scenarios(engine_for, rank)
+        elif task.startswith("disk "):
+            result = _disk_restarts(engine_for, rank, task[5:])
         elif task in ("speculative", "draft"):  # every rank verifies the same rows (rank 0's drafts)
             spec = {"method": "suffix", "num_draft_tokens": 3, "adaptive": False}
             if task == "draft":  # each rank holds the whole (unsharded) target as its draft model
@@ -229,6 +252,17 @@ def test_two_ranks_verify_an_mtp_heads_drafts(tmp_path):
     for prompt, toks in zip(AGAIN, got):
         assert toks == reference_greedy(model, prompt, 16)
     assert stats["verify_rows"] > 0 and stats["acceptance_rate"] > 0.9, stats
+
+
+def test_two_ranks_read_the_prefix_back_from_disk_as_far_as_both_have_it(tmp_path):
+    """The prefix cache's SSD tier on a replica over two Macs (here one directory, each
+    rank's share of a page under its own key): a restart reads the prompt's 12 pages
+    back; after rank 1 lost its file of the 6th page, both read back only the 5 before
+    it (a rank that loaded a page the other computes again would part the group)."""
+    model = make_tiny_model("llama")
+    got = run_ranks(f"disk {tmp_path}")
+    want = reference_greedy(model, DISKED, 8)
+    assert got == [(want, 0), (want, 12 * 16), (want, 5 * 16)]
 
 
 def test_each_rank_holds_only_its_shard(tmp_path):

@@ -18,7 +18,7 @@ import queue
 import threading
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -81,6 +81,9 @@ class DiskTier:
         self.pages_written = self.pages_loaded = self.pages_skipped = self.write_errors = 0
         self.hit_tokens = 0
         self.bytes_on_disk = 0
+        # A replica over several Macs: each rank files its share of every page on its own
+        # Mac; a prefix is read back only as far as every rank has it (the group's min).
+        self.agree: Callable[[int], int] = lambda n: n
         self.rescan_s = RESCAN_S
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-write", daemon=True)
         self._writer.start()
@@ -247,6 +250,7 @@ class DiskTier:
                 break
         self._take_news()
         data = data[start - first : len(hashes) - first]  # the prefetch may have read further
+        data = data[: self.agree(len(data))]
         if not data:
             return []
         new = pages.allocate(min(len(data), pages.available()))
@@ -312,16 +316,17 @@ def model_fingerprint(model) -> str:
 
 
 def open_disk_tier(directory: str, max_bytes: int, model, pool: KVPool, kv_bits: Optional[int],
-                   state_specs: Sequence[StateSpec] = (), drafter=None):
+                   state_specs: Sequence[StateSpec] = (), drafter=None, rank: Optional[Tuple[int, int]] = None):
     """The tier over `directory` for this model and pool (and recurrent layers' states;
     `drafter`: a draft model's or MTP head's KV on the same pages, as (its weights, its
-    pool)), or None when the directory cannot be used (said in the log: the engine serves
-    without it)."""
+    pool); `rank`: (rank, size) of a replica over several Macs, whose shard this is), or
+    None when the directory cannot be used (said in the log: the engine serves without it)."""
     pool = PageArrays([pool] + ([drafter[1]] if drafter else []))
     layout = page_layout(pool)
     key = {"model": model_fingerprint(model), "page_size": pool.page_size, "kv_bits": kv_bits,
            "layout": [(shape, d.str) for shape, d in layout],
-           **({"drafter": model_fingerprint(drafter[0])} if drafter else {})}
+           **({"drafter": model_fingerprint(drafter[0])} if drafter else {}),
+           **({"rank": list(rank)} if rank else {})}
     root = os.path.expanduser(directory)
     try:
         files = PageFiles(root, namespace(key), layout)
