@@ -95,6 +95,10 @@ class Engine:
             QuantizedKVPool(tree.kv, tree.kv_dtype, num_pages, config.page_size, quantization)
         self.pages = PageManager(num_pages, config.page_size)
         self.snapshots = StateSnapshots(tree.state_bytes, snapshot_bytes) if tree.states else None
+        if ranks:  # pipeline stages hold different recurrent layers: every rank keeps as many snapshots
+            capacity = ranks.min(self.snapshots.capacity if self.snapshots is not None else 1 << 62)
+            if self.snapshots is not None:
+                self.snapshots.capacity = capacity
         self.batching = probe_batching(model, tree) if config.batching == "auto" else config.batching
         if drafter_model is not None:
             drafter_model = drafter_model.build(num_pages, self.batching)
@@ -235,9 +239,6 @@ class Engine:
     def _disk_tier(self, config: EngineConfig, model, tree, ranks, drafter):
         """The prefix cache's SSD tier where configured and possible (said in the log where not)."""
         if not config.prefix_cache_dir:
-            return None
-        if ranks and tree.states:
-            log.warning("prefix_cache_dir is set, but not used for a model with recurrent layers over several Macs")
             return None
         disk = open_disk_tier(config.prefix_cache_dir, config.prefix_cache_max_bytes, model, self.pool,
                               config.kv_bits, tree.states,

@@ -274,11 +274,21 @@ class DiskTier:
         top = cached
         while top < len(hashes) and self.files.has(hashes[top]):
             top += 1
-        for k in range(top, above, -1):
+        k = top
+        while k > above:
+            # Over several Macs every rank resumes at the same k: the deepest each lists,
+            # agreed (memory snapshots are alike on every rank, files may not be).
+            k = self.agree(next((j for j in range(k, above, -1)
+                                 if hashes[j - 1] in snapshots or self.states.has(hashes[j - 1])), above))
+            if k <= above:
+                return None
             h = hashes[k - 1]
-            state = snapshots.take(h) if h in snapshots else self.states.read(h) if self.states.has(h) else None
-            if state is not None:
+            if h in snapshots:
+                return k, snapshots.take(h)
+            state = self.states.read(h)
+            if self.agree(int(state is not None)):
                 return k, state
+            k -= 1
         return None
 
     def load(self, new: List[int], data: List[List[np.ndarray]]) -> None:
