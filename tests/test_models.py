@@ -195,7 +195,7 @@ def test_small_models_share_the_mac_each_big_one_needs_most_of_it(farm):
 
 
 def test_a_model_makes_room_by_unloading_the_idle_one_never_a_streaming_one(farm):
-    """big streams (2 samples of 900 tokens) while big2, which cannot fit beside it, is
+    """big streams (2 samples of 300 tokens) while big2, which cannot fit beside it, is
     asked for: big2 waits, big's stream completes whole, then big is unloaded and big2
     loads and answers."""
     base = farm[0]
@@ -204,7 +204,7 @@ def test_a_model_makes_room_by_unloading_the_idle_one_never_a_streaming_one(farm
     async def stream_big(ac):
         usage = None
         async with ac.stream("POST", f"{base}/v1/completions", json={
-                "model": "big", "prompt": "Once upon a time", "max_tokens": 900, "n": 2, "ignore_eos": True,
+                "model": "big", "prompt": "Once upon a time", "max_tokens": 300, "n": 2, "ignore_eos": True,
                 "temperature": 0.8, "stream": True, "stream_options": {"include_usage": True}}) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
@@ -219,6 +219,7 @@ def test_a_model_makes_room_by_unloading_the_idle_one_never_a_streaming_one(farm
     async def ask_big2(ac):
         while "big_first" not in events:
             await asyncio.sleep(0.05)
+        events["big2_asked"] = time.time()
         r = await ac.post(f"{base}/v1/completions", json={"model": "big2", "prompt": "Hi", "max_tokens": 4})
         events["big2_answered"] = time.time()
         return r
@@ -228,9 +229,9 @@ def test_a_model_makes_room_by_unloading_the_idle_one_never_a_streaming_one(farm
             return await asyncio.gather(stream_big(ac), ask_big2(ac))
 
     usage, r2 = asyncio.run(main())
-    assert usage and usage["completion_tokens"] == 2 * 900  # the stream was never cut
+    assert usage and usage["completion_tokens"] == 2 * 300  # the stream was never cut
     assert r2.status_code == 200 and r2.json()["model"] == "big2"
-    assert events["big2_answered"] > events["big_done"]  # it could only load once big was idle
+    assert events["big2_asked"] < events["big_done"] < events["big2_answered"]  # it could only load once big was idle
     _wait_loaded(base, "big", False)
     _wait_loaded(base, "big2", True)
 
