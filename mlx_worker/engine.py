@@ -108,7 +108,8 @@ class Engine:
         self.speculator = speculator_for(config.speculative, drafter)
         self.disk = self._disk_tier(config, model, tree, ranks, drafter_model)
         self.scheduler = Scheduler(self.pages, eos, config.max_running_requests, config.max_batched_tokens,
-                                   self.snapshots, self.budget, self.speculator, self.disk)
+                                   self.snapshots, self.budget, self.speculator, self.disk,
+                                   getattr(model, "tower_tokens", None))
         self.activation_bytes = activation_budget(model, config.max_batched_tokens, config.max_running_requests,
                                                   self.vocab_size)
         # The decode batch's copies from the pool run before a step, never beside one: its activation
@@ -411,7 +412,8 @@ class Engine:
         self.admission.observe(seconds, prefill, plan.decode_like())
         self._stats.step(seconds, plan.decode_like(), prefill)
         if not self.ranks or self.ranks.leader:  # the followers take the leader's fit (_replay_commands)
-            self.budget.cost.observe(shape_of([p for _, p in plan.decode], plan.chunks(), plan.verify_rows()), seconds)
+            self.budget.cost.observe(shape_of([p for _, p in plan.decode], plan.chunks(), plan.verify_rows(),
+                                              plan.image_tokens()), seconds)
         outputs = self.scheduler.process(plan, tokens)
         if self.speculator is not None:
             self.speculator.step_done(plan, seconds, measure=not self.ranks or self.ranks.leader)

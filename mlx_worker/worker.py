@@ -21,8 +21,7 @@ from .scheduling.scheduler import StepPlan
 def shows_images(chunk) -> bool:
     """Whether a prefill chunk holds image tokens: its rows go in as embeddings."""
     images = chunk.seq.images
-    end = chunk.start + chunk.length
-    return images is not None and any(s < end and chunk.start < e for s, e in images.spans)
+    return images is not None and images.shown(chunk.start, chunk.start + chunk.length)
 
 
 @dataclass

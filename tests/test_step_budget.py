@@ -14,8 +14,8 @@ from mlx_worker import Engine, EngineConfig, Request, SamplingParams
 from mlx_worker.scheduling.step_budget import TOKEN_GAP_FACTOR, StepBudget
 from mlx_worker.scheduling.step_cost import PAIRS_UNIT, StepCost, StepShape, shape_of
 
-TRUE = (0.07, 0.009, 0.004, 0.01, 0.006)  # seconds per forward, decode row, prefill token, PAIRS_UNIT pairs,
-# verify token
+TRUE = (0.07, 0.009, 0.004, 0.01, 0.006, 0.002)  # seconds per forward, decode row, prefill token, PAIRS_UNIT
+# pairs, verify token, image token encoded
 
 
 def true_time(shape):
@@ -24,12 +24,14 @@ def true_time(shape):
 
 def fitted(n=80, seed=0):
     rng, cost = random.Random(seed), StepCost()
+    tower = random.Random(seed + 1)  # the steps that encode images
     for _ in range(n):
         rows = rng.randrange(0, 33)
         chunks = [(rng.randrange(0, 1500), rng.randrange(1, 512)) for _ in range(rng.randrange(0 if rows else 1, 3))]
         length = rng.randrange(2, 6)
         verify = [(rng.randrange(10, 1500), length) for _ in range(rng.choice([0, 0, 2, 8, 16]))]
-        shape = shape_of([rng.randrange(10, 1500) for _ in range(rows)], chunks, verify)
+        images = tower.choice([0, 0, 0, 64, 256]) if chunks else 0
+        shape = shape_of([rng.randrange(10, 1500) for _ in range(rows)], chunks, verify, images)
         cost.observe(shape, true_time(shape) * rng.uniform(0.97, 1.03))
     cost.refit()
     return cost
@@ -41,6 +43,7 @@ def test_the_fit_recovers_the_costs_and_never_goes_negative():
     cost = fitted()
     assert cost.coef[:4] == pytest.approx(TRUE[:4], rel=0.15)
     assert cost.coef[4] == pytest.approx(TRUE[4], rel=0.25)  # a few verify tokens a step: less to fit on
+    assert cost.coef[5] == pytest.approx(TRUE[5], rel=0.15)
     for rows, chunks in (([300] * 16, []), ([], [(0, 2000)]), ([500] * 4, [(0, 64), (128, 200)])):
         shape = shape_of(rows, chunks)
         assert cost.predict(shape) == pytest.approx(true_time(shape), rel=0.05)
@@ -74,6 +77,23 @@ def test_a_step_with_decode_rows_is_sized_to_the_gap():
     assert StepBudget(2048, cost=cost, timed=False).room(16, 4800).prefill(0, 5000) == 2048 - 16
     # Costs not measured yet: small steps, so that they soon are.
     assert StepBudget(2048, min_prefill_tokens=64).room(0, 0).prefill(0, 5000) == 64
+
+
+def test_a_step_prices_the_vision_tower():
+    """The images a step encodes take their time from its gap: the chunk that shows a
+    prompt's first images is shorter, and a second prompt's images go through the tower
+    in this step only if they fit the gap (the first prompt's always do: images move on)."""
+    cost = fitted()
+    budget = StepBudget(2048, cost=cost, min_prefill_tokens=16)
+    room = budget.room(16, 16 * 300)
+    plain = budget.room(16, 16 * 300).prefill(0, 5000)
+    assert room.tower_fits(4096)  # the step's first images: however long they take
+    n = room.prefill(0, 5000, image_tokens=64)
+    filled = shape_of([299] * 16, [(0, n)], image_tokens=64)
+    assert n < plain and true_time(filled) == pytest.approx(budget.last_gap_s, rel=0.08)
+    room.take(0, 16, image_tokens=64)  # a short chunk: room left for text, and for a few image tokens
+    assert room.tower_fits(8) and not room.tower_fits(256)
+    assert StepBudget(2048, cost=cost).room(0, 0).tower_fits(4096)  # no decode rows: no gap to keep
 
 
 def test_a_request_at_risk_of_its_deadline_gets_decode_only_steps():

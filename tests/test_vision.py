@@ -266,3 +266,48 @@ def test_image_tokens_attending_both_ways_resume_from_a_prefix_hit_inside_the_im
         assert start < last.num_cached_tokens < end
     finally:
         eng.shutdown()
+
+
+def test_a_step_with_decode_rows_runs_one_prompts_images_through_the_tower_beyond_its_gap(tmp_path):
+    """Rows decoding while three prompts with images arrive at once, the token gap too
+    short for any image: a step that decodes encodes the images of one prompt at most
+    (before, all three went with the step's prefill floor), the step cost counts the
+    tower's time, and every answer is still mlx-vlm's."""
+    from mlx_vlm import load, stream_generate
+    from tiny_vision import save_tiny_gemma3_vision
+
+    checkpoint = str(save_tiny_gemma3_vision(tmp_path))
+    vlm, processor = load(checkpoint)
+    eng = Engine(EngineConfig(model=checkpoint, max_total_tokens=4096, max_token_gap_s=0.0005))
+    steps, finish = [], eng._finish_step
+
+    def record(step):
+        finish(step)
+        steps.append((len(step.plan.decode), [c.image_tokens for c in step.plan.prefills if c.image_tokens]))
+
+    eng._finish_step = record
+    texts = [[user(f"Count to twenty, {w} and slowly.")] for w in ("one by one", "in French")]
+    convs = [([user("What is this?", None)], [picture(20 + i, (40 + 8 * i, 50))]) for i in range(3)]
+    try:
+        async def main():
+            long = [request(eng, f"t{i}", m, []) for i, m in enumerate(texts)]
+            for r in long:
+                r.params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
+            rows = [asyncio.create_task(collect(eng, r)) for r in long]
+            while len(steps) < 8:  # decoding, the step cost fitted
+                await asyncio.sleep(0.005)
+            shown = [asyncio.create_task(collect(eng, request(eng, f"i{i}", m, ims)))
+                     for i, (m, ims) in enumerate(convs)]
+            return await asyncio.gather(*shown), await asyncio.gather(*rows)
+
+        answers, _ = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    for (messages, images), (toks, _) in zip(convs, answers):
+        want = [r.token for r in stream_generate(vlm, processor, render(processor, messages), image=images,
+                                                 max_tokens=N, temperature=0.0)][:N]
+        assert toks == want
+    encoded = [tokens for decode, tokens in steps if tokens]
+    assert sum(len(t) for t in encoded) == 3  # each prompt's images once
+    assert all(decode and len(tokens) == 1 for decode, tokens in steps if tokens), steps
+    assert "image_token_ms" in eng.stats()["step_cost"]  # the fit has the tower among its features

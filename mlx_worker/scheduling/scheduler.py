@@ -21,6 +21,7 @@ class PrefillChunk:
     start: int
     length: int
     samples: bool  # the chunk ends the known tokens, so its last logits give a token
+    image_tokens: int = 0  # of its prompt's images, those the step's vision tower encodes (its first image chunk)
 
     @property
     def replay(self) -> bool:
@@ -65,6 +66,10 @@ class StepPlan:
         """(start, length) of the prefill chunks."""
         return [(c.start, c.length) for c in self.prefills]
 
+    def image_tokens(self) -> int:
+        """Image tokens the step's vision tower encodes."""
+        return sum(c.image_tokens for c in self.prefills)
+
     def verify_rows(self) -> List[Tuple[int, int]]:
         """(position, length) of the verify rows."""
         return [(v.position, v.length) for v in self.verify]
@@ -84,8 +89,9 @@ class Scheduler:
 
     def __init__(self, pages: PageManager, eos_ids: Set[int], max_running: int, max_batched_tokens: int,
                  snapshots: Optional[StateSnapshots] = None, budget: Optional[StepBudget] = None,
-                 speculator=None, disk=None):
+                 speculator=None, disk=None, tower_tokens=None):
         self.speculator = speculator  # speculative.Speculator: decoding rows may verify drafts
+        self.tower_tokens = tower_tokens  # a vision model's: image tokens a prompt's images take through its tower
         self.disk = disk  # kv_tiers.DiskTier: prefix pages on SSD, read back instead of recomputed
         self.pages = pages
         self.snapshots = snapshots  # a model with recurrent layers resumes only at a snapshot
@@ -249,8 +255,15 @@ class Scheduler:
 
     def _schedule_prefill(self, plan: StepPlan, seq: Sequence, room: StepRoom) -> int:
         start = seq.num_computed
+        wanted = seq.num_tokens - start
+        # Its images go through the vision tower with its first chunk that shows one; a
+        # step that has images already takes another prompt's only within its gap, else
+        # that prompt's text up to its first image.
+        tower = self.tower_tokens(seq.images) if seq.images is not None and seq.embeds is None else 0
+        if tower and not room.tower_fits(tower):
+            wanted, tower = min(wanted, seq.images.spans[0][0] - start), 0
         fits = (len(seq.pages) + self.pages.available()) * self.page_size - start
-        length = min(room.prefill(start, seq.num_tokens - start), fits)
+        length = min(room.prefill(start, wanted, tower), fits)
         if length <= 0:
             return 0
         if self.snapshots is not None:
@@ -264,9 +277,10 @@ class Scheduler:
         if need > 0:
             seq.pages += self.pages.allocate(need)
         samples = start + length == seq.num_tokens
-        plan.prefills.append(PrefillChunk(seq, start, length, samples))
+        tower = tower if tower and seq.images.shown(start, start + length) else 0
+        plan.prefills.append(PrefillChunk(seq, start, length, samples, tower))
         seq.verifying = samples and plan.prefills[-1].replay  # its next step drafts: from known tokens
-        room.take(start, length)
+        room.take(start, length, tower)
         seq.num_work += length
         seq.num_computed += length
         if samples:

@@ -29,19 +29,28 @@ class StepRoom:
         self.min_prefill = min_prefill
         self._lengths = set()  # chunk lengths already in the step: one forward each
 
-    def prefill(self, start: int, wanted: int) -> int:
-        """How many tokens of a prompt at `start` this step may prefill (<= wanted)."""
+    def prefill(self, start: int, wanted: int, image_tokens: int = 0) -> int:
+        """How many tokens of a prompt at `start` this step may prefill (<= wanted), its
+        vision tower encoding `image_tokens` of its images too."""
         n = min(wanted, self.tokens)
         if self.gap_s is None or n <= 0:
             return max(0, n)
         floor = self.min_prefill - self.shape.prefill_tokens  # the floor is per step
-        spare = self.gap_s - self.cost.predict(self.shape)
+        spare = self.gap_s - self.cost.predict(self.shape) - self.cost.coef[5] * image_tokens
         fits = self.cost.prefill_room(self.shape, start, spare, new_forward=n not in self._lengths)
         return max(0, min(n, max(fits, floor)))
 
-    def take(self, start: int, length: int) -> None:
+    def tower_fits(self, image_tokens: int) -> bool:
+        """Whether the step may also run a prompt's images through the vision tower: the
+        first prompt's always (images move on), another's only within the gap."""
+        if self.gap_s is None or not self.shape.image_tokens:
+            return True
+        return self.cost.predict(self.shape) + self.cost.coef[5] * image_tokens <= self.gap_s
+
+    def take(self, start: int, length: int, image_tokens: int = 0) -> None:
         self.tokens -= length
         self.shape.add_prefill(start, length, new_forward=length not in self._lengths)
+        self.shape.image_tokens += image_tokens
         self._lengths.add(length)
 
 

@@ -1,9 +1,11 @@
 """What a step costs on this model and machine, measured online.
 
-A step's time is modelled as linear in five features of its plan: forwards (each reads
+A step's time is modelled as linear in six features of its plan: forwards (each reads
 every weight once), decode rows, prefill tokens, attention pairs (query x key
-positions: where long contexts cost), and the tokens of speculative verify rows (a few
-per row: they cost like neither a decode row nor a long chunk's token). The coefficients are a least-squares fit over the
+positions: where long contexts cost), the tokens of speculative verify rows (a few
+per row: they cost like neither a decode row nor a long chunk's token), and the image
+tokens of the images the step's vision tower encodes (a vision model's: the tower runs
+in the step of a prompt's first image chunk). The coefficients are a least-squares fit over the
 recent steps (exponentially forgotten, so they follow a machine that slows down or a
 model warming up), never negative. Until a few steps are measured there is no
 prediction, and the scheduler falls back to its token budget.
@@ -28,6 +30,7 @@ class StepShape:
     prefill_tokens: int = 0
     pairs: float = 0.0  # attention query x key positions
     verify_tokens: int = 0
+    image_tokens: int = 0  # of the images the vision tower encodes in the step
 
     def add_decode(self, rows: int, context: int) -> None:
         """`rows` decode rows attending to `context` key positions in all."""
@@ -56,7 +59,7 @@ class StepShape:
 
     def features(self) -> np.ndarray:
         return np.array([self.forwards, self.decode_rows, self.prefill_tokens, self.pairs / PAIRS_UNIT,
-                         self.verify_tokens])
+                         self.verify_tokens, self.image_tokens])
 
 
 def prefill_pairs(start: int, length: int) -> float:
@@ -69,10 +72,10 @@ class StepCost:
 
     def __init__(self, forget: float = FORGET):
         self.forget = forget
-        self._xtx = np.zeros((5, 5))
-        self._xty = np.zeros(5)
+        self._xtx = np.zeros((6, 6))
+        self._xty = np.zeros(6)
         self.num_observed = 0
-        self.coef: Optional[np.ndarray] = None  # seconds per forward, row, token, PAIRS_UNIT pairs, verify token
+        self.coef: Optional[np.ndarray] = None  # seconds per forward, row, token, PAIRS_UNIT pairs, verify token, image token
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A measured step; the fit takes it in at the next `refit`."""
@@ -97,7 +100,7 @@ class StepCost:
     def prefill_room(self, shape: StepShape, start: int, seconds: float, new_forward: bool) -> int:
         """The longest chunk after `start` cached tokens that adds at most `seconds` to
         `shape`'s step (0 when even one token would not fit)."""
-        c_fwd, _, c_tok, c_pair, _ = self.coef
+        c_fwd, _, c_tok, c_pair = self.coef[:4]
         room = seconds - (c_fwd if new_forward else 0.0)
         if room <= 0:
             return 0
@@ -111,8 +114,9 @@ class StepCost:
     def describe(self) -> dict:
         if self.coef is None:
             return {}
-        names = ("forward_ms", "decode_row_ms", "prefill_token_ms", "attention_ms_per_mpair", "verify_token_ms")
-        scale = (1e3, 1e3, 1e3, 1e3 * 1e6 / PAIRS_UNIT, 1e3)
+        names = ("forward_ms", "decode_row_ms", "prefill_token_ms", "attention_ms_per_mpair", "verify_token_ms",
+                 "image_token_ms")
+        scale = (1e3, 1e3, 1e3, 1e3 * 1e6 / PAIRS_UNIT, 1e3, 1e3)
         return {k: float(c * s) for k, c, s in zip(names, self.coef, scale)}
 
 
@@ -133,11 +137,12 @@ def _nonnegative_solve(xtx: np.ndarray, xty: np.ndarray) -> np.ndarray:
     return coef
 
 
-def shape_of(decode_positions: Sequence[int], chunks: Sequence[tuple], verify: Sequence[tuple] = ()) -> StepShape:
+def shape_of(decode_positions: Sequence[int], chunks: Sequence[tuple], verify: Sequence[tuple] = (),
+             image_tokens: int = 0) -> StepShape:
     """The StepShape of a plan: decode rows at `decode_positions`, prefill `chunks` and
     `verify` rows as (start, length), one forward per distinct length of each (as the
-    worker runs them)."""
-    shape = StepShape()
+    worker runs them), and the image tokens its vision tower encodes."""
+    shape = StepShape(image_tokens=image_tokens)
     shape.add_decode(len(decode_positions), sum(p + 1 for p in decode_positions))
     lengths = set()
     for start, length in chunks:

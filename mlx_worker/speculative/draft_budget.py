@@ -63,7 +63,7 @@ class DraftBudget:
         none = (0, [0] * len(rows), False)
         if coef is None or not rows:
             return none
-        c_fwd, c_row, c_tok, c_pair, c_verify = coef
+        c_fwd, c_row, c_tok, c_pair, c_verify = coef[:5]
         # Not measured yet: a prefill token's, so that verification is tried and measured
         # (realized_rate.py turns it off where the clock disagrees); rows without drafts
         # join the verify forward only once its cost is known.

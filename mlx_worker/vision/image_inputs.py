@@ -24,6 +24,10 @@ class ImageInputs(BaseModel):
     crops: Optional[List[int]] = None  # per image, its rows of pixel_values (families that tile images)
     blocks: Optional[List[Tuple[int, int]]] = None
 
+    def shown(self, start: int, end: int) -> bool:
+        """Whether image tokens lie in prompt positions [start, end)."""
+        return any(s < end and start < e for s, e in self.spans)
+
     def page_salts(self, num_tokens: int, page_size: int) -> List[bytes]:
         """Per page of the prompt, the hashes of the images whose tokens it holds (b"" for
         none): mixed into the page hashes, so a page that shows an image matches only a

@@ -205,6 +205,13 @@ class VisionLanguageModel(nn.Module):
         layers[:, shown] = mx.stack(list(deepstack)).astype(layers.dtype)
         return mx.concatenate([out.inputs_embeds, layers]).transpose(1, 0, 2)
 
+    def tower_tokens(self, images: ImageInputs) -> int:
+        """The image tokens of a prompt's images that its vision tower would encode now:
+        those the image cache lacks (all of them where the prompt's are encoded whole)."""
+        cached = self._cacheable(images)
+        spans = {span for span, h in zip(images.spans, images.hashes) if not (cached and self.image_cache.holds(h))}
+        return sum(e - s for s, e in spans)  # a span once: where it is not known whose tokens are whose, all share it
+
     def _cacheable(self, images: ImageInputs) -> bool:
         """Whether its images' features can be had one by one (and cached): the family has
         a module here, and where it tiles images, this prompt shows which tiles are whose."""
