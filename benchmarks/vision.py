@@ -3,6 +3,7 @@ against mlx-vlm's own generation (batch 1) in the same run, and a conversation's
 turn about the same image (a prefix hit) against its first.
 
     python benchmarks/vision.py [--concurrency 1 4 16] [--max-tokens 32] [--requests 16]
+    python benchmarks/vision.py --burst [--streams 4] [--images 4] [--tokens-per-image 64]
 
 model       a random-weight Gemma 3 vision checkpoint of mlx-vlm's classes at a small
             real size (no vision checkpoint can be downloaded here): a SigLIP tower of 12
@@ -17,6 +18,12 @@ peer        mlx-vlm's `stream_generate`, one request after another (it serves on
 second turn the same conversation with the model's answer and a follow-up question: its
             TTFT over the first turn's (the image's pages come from the prefix cache), and
             over the same second-turn prompt sent cold (another image).
+--burst     text streams decoding while a burst of image requests arrives at once (the
+            checkpoint with --tokens-per-image image tokens, 64 by default: small images
+            on the same tower): the streams' gaps between tokens from the burst until the
+            last image request's first token (p50, p99, longest), and the image requests'
+            TTFT. The step budget prices the tower (docs/engine.md): a step that decodes
+            runs a second prompt's images only within its gap.
 """
 
 import argparse
@@ -25,7 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import pct, table
+from common import ms, pct, table
 
 import mlx_worker  # noqa: F401  (OpenBLAS before mlx on Linux)
 from mlx_worker import Engine, EngineConfig, Request, SamplingParams
@@ -38,12 +45,13 @@ QUESTIONS = ["What is in this picture?", "Describe the colours you see.", "Is th
              "What would you name this picture?"]
 
 
-def checkpoint() -> Path:
+def checkpoint(tokens_per_image: int = 256) -> Path:
     from tiny_vision import save_tiny_gemma3_vision
 
-    path = CACHE / "gemma3-vision-small-256"
+    path = CACHE / f"gemma3-vision-small-{tokens_per_image}"
     if not (path / "model.safetensors").exists():
-        save_tiny_gemma3_vision(path, tokens_per_image=256, image_size=224, text=TEXT, vision=VISION, scale=1.0)
+        save_tiny_gemma3_vision(path, tokens_per_image=tokens_per_image, image_size=224, text=TEXT, vision=VISION,
+                                scale=1.0)
     return path
 
 
@@ -116,13 +124,70 @@ def peer(path, n, max_tokens):
     return ttfts, (sum(rates) / n, n * max_tokens / (time.perf_counter() - began)), answers
 
 
+async def burst(engine, streams: int, images: int):
+    """Text streams decoding, then `images` image requests at once: the streams' gaps
+    between tokens while the burst is taken in, and the image requests' TTFTs."""
+    stamps = {j: [] for j in range(streams)}
+    ttfts = []
+
+    async def text(j):
+        messages = [{"role": "user", "content": [{"type": "text", "text": f"Tell a long story, number {j}."}]}]
+        ids = engine.tokenizer.encode(render(engine.model.processor, messages), add_special_tokens=False)
+        req = Request(rid=f"s{j}", prompt_ids=ids, params=SamplingParams(max_tokens=400, ignore_eos=True,
+                                                                          temperature=0.0))
+        async for out in engine.generate(req):
+            stamps[j] += [time.perf_counter()] * len(out.token_ids)
+
+    async def image(i):
+        start = time.perf_counter()
+        async for out in engine.generate(engine_request(engine, f"b{i}", conversation(i), picture(7000 + i), 8)):
+            if out.token_ids:
+                ttfts.append(time.perf_counter() - start)
+                break
+
+    tasks = [asyncio.create_task(text(j)) for j in range(streams)]
+    while min(len(v) for v in stamps.values()) < 20:  # all decoding, steps measured
+        await asyncio.sleep(0.01)
+    began = time.perf_counter()
+    await asyncio.gather(*[image(i) for i in range(images)])
+    ended = time.perf_counter()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    gaps = [b - a for v in stamps.values() for a, b in zip(v, v[1:]) if b > began and a < ended and b > a]
+    return gaps, ttfts
+
+
+def main_burst(args):
+    path = Path(args.model) if args.model else checkpoint(args.tokens_per_image)
+    engine = Engine(EngineConfig(model=str(path)))
+    try:
+        warm = engine_request(engine, "warm", conversation(99), picture(99), 4)
+        asyncio.run(run_cell(engine, [warm], 1))
+        gaps, ttfts = asyncio.run(burst(engine, args.streams, args.images))
+        cost = engine.stats()["step_cost"]
+    finally:
+        engine.shutdown()
+    print(f"## vision: {args.images} image requests at once while {args.streams} text streams decode "
+          f"({path.name})\n")
+    print(table(["stream gap p50 ms", "p99 ms", "longest ms", "image TTFT p50 ms", "longest ms"],
+                [(ms(gaps, 0.5), ms(gaps, 0.99), ms(gaps, 1.0), ms(ttfts, 0.5), ms(ttfts, 1.0))]))
+    print(f"\nstep cost fitted: {cost}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=16, help="requests per cell (at least the concurrency)")
+    ap.add_argument("--burst", action="store_true", help="streams' token gaps while image requests arrive")
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--images", type=int, default=4)
+    ap.add_argument("--tokens-per-image", type=int, default=64, help="--burst's checkpoint")
     args = ap.parse_args()
+    if args.burst:
+        return main_burst(args)
     path = Path(args.model) if args.model else checkpoint()
 
     rows = []
