@@ -311,3 +311,33 @@ def test_a_step_with_decode_rows_runs_one_prompts_images_through_the_tower_beyon
     assert sum(len(t) for t in encoded) == 3  # each prompt's images once
     assert all(decode and len(tokens) == 1 for decode, tokens in steps if tokens), steps
     assert "image_token_ms" in eng.stats()["step_cost"]  # the fit has the tower among its features
+
+
+def test_prompts_whose_images_go_in_whole_never_wait_on_each_others_pages(tmp_path):
+    """Gemma 4's larger layout, a pool of 3 pages and 8-token steps: two prompts of ~33
+    tokens, each with an image at 10 .. 21. Had both been admitted on part of their
+    pages, each would wait at its image for a page the other holds (they did: no step
+    ever ran again); a prompt is admitted with pages for all of it, so they take turns."""
+    from mlx_vlm import load, stream_generate
+    from tiny_vision import save_tiny_gemma4_vision
+
+    checkpoint = str(save_tiny_gemma4_vision(tmp_path, bidirectional=True))
+    vlm, processor = load(checkpoint)
+    eng = Engine(EngineConfig(model=checkpoint, max_total_tokens=48, max_batched_tokens=8, min_prefill_tokens=8,
+                              step_budget="tokens"))
+    convs = [([user("Words before the picture:", None, q)], [picture(30 + i)])
+             for i, q in enumerate(("What is it?", "Which colour?"))]
+    try:
+        reqs = [request(eng, f"r{i}", m, ims) for i, (m, ims) in enumerate(convs)]
+        assert eng.stats()["kv_pages_total"] == 3 and all(r.images.blocks == [(10, 22)] for r in reqs)
+
+        async def main():
+            return await asyncio.wait_for(asyncio.gather(*[collect(eng, r) for r in reqs]), 30)
+
+        outs = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    for (messages, images), (toks, _) in zip(convs, outs):
+        want = [r.token for r in stream_generate(vlm, processor, render(processor, messages), image=images,
+                                                 max_tokens=N, temperature=0.0)][:N]
+        assert toks == want

@@ -263,6 +263,13 @@ class Scheduler:
         if tower and not room.tower_fits(tower):
             wanted, tower = min(wanted, seq.images.spans[0][0] - start), 0
         fits = (len(seq.pages) + self.pages.available()) * self.page_size - start
+        if seq.status == Status.WAITING and seq.images is not None and seq.images.blocks:
+            # Its images' tokens go in whole (below): admitted only with pages for all of
+            # its tokens, which it holds from now on. Two prompts that each held part
+            # could both wait at an image for pages the other holds.
+            if fits < seq.num_tokens - start:
+                return 0
+            seq.pages += self.pages.allocate(-(-seq.num_tokens // self.page_size) - len(seq.pages))
         length = min(room.prefill(start, wanted, tower), fits)
         if length <= 0:
             return 0
