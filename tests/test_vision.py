@@ -47,17 +47,18 @@ def checkpoint(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     """mlx-vlm's own greedy generation: (messages, images) -> token ids."""
-    from mlx_vlm import load, stream_generate
+    from mlx_vlm import load
 
     vlm, processor = load(checkpoint)
+    return lambda messages, images: vlm_greedy(vlm, processor, messages, images)
 
-    def generate(messages, images):
-        prompt = render(processor, messages)
-        out = [r.token for r in stream_generate(vlm, processor, prompt, image=images or None, max_tokens=N,
-                                                temperature=0.0)]
-        return out[:N]
 
-    return generate
+def vlm_greedy(vlm, processor, messages, images):
+    """mlx-vlm's own N greedy tokens for a conversation and its images."""
+    from mlx_vlm import stream_generate
+
+    return [r.token for r in stream_generate(vlm, processor, render(processor, messages), image=images or None,
+                                             max_tokens=N, temperature=0.0)][:N]
 
 
 def picture(seed, size=(40, 50)):
@@ -247,7 +248,7 @@ def test_image_tokens_attending_both_ways_resume_from_a_prefix_hit_inside_the_im
     A second prompt that shares the first's image but not its question hits the pages up
     to one inside the image's tokens (their keys were computed with the whole image in
     view); the rest of the image is computed seeing all of it, as mlx-vlm's one forward."""
-    from mlx_vlm import load, stream_generate
+    from mlx_vlm import load
     from tiny_vision import save_tiny_gemma4_vision
 
     checkpoint = str(save_tiny_gemma4_vision(tmp_path, bidirectional=True))
@@ -259,9 +260,7 @@ def test_image_tokens_attending_both_ways_resume_from_a_prefix_hit_inside_the_im
             messages = [user(lead, None, question)]
             req = request(eng, rid, messages, [picture(9)])
             (toks, last), = run(eng, [req])
-            want = [r.token for r in stream_generate(vlm, processor, render(processor, messages), image=[picture(9)],
-                                                     max_tokens=N, temperature=0.0)][:N]
-            assert toks == want
+            assert toks == vlm_greedy(vlm, processor, messages, [picture(9)])
         (start, end), = req.images.blocks
         assert start < last.num_cached_tokens < end
     finally:
@@ -273,7 +272,7 @@ def test_a_step_with_decode_rows_runs_one_prompts_images_through_the_tower_beyon
     short for any image: a step that decodes encodes the images of one prompt at most
     (before, all three went with the step's prefill floor), the step cost counts the
     tower's time, and every answer is still mlx-vlm's."""
-    from mlx_vlm import load, stream_generate
+    from mlx_vlm import load
     from tiny_vision import save_tiny_gemma3_vision
 
     checkpoint = str(save_tiny_gemma3_vision(tmp_path))
@@ -304,9 +303,7 @@ def test_a_step_with_decode_rows_runs_one_prompts_images_through_the_tower_beyon
     finally:
         eng.shutdown()
     for (messages, images), (toks, _) in zip(convs, answers):
-        want = [r.token for r in stream_generate(vlm, processor, render(processor, messages), image=images,
-                                                 max_tokens=N, temperature=0.0)][:N]
-        assert toks == want
+        assert toks == vlm_greedy(vlm, processor, messages, images)
     encoded = [tokens for decode, tokens in steps if tokens]
     assert sum(len(t) for t in encoded) == 3  # each prompt's images once
     assert all(decode and len(tokens) == 1 for decode, tokens in steps if tokens), steps
@@ -318,7 +315,7 @@ def test_prompts_whose_images_go_in_whole_never_wait_on_each_others_pages(tmp_pa
     tokens, each with an image at 10 .. 21. Had both been admitted on part of their
     pages, each would wait at its image for a page the other holds (they did: no step
     ever ran again); a prompt is admitted with pages for all of it, so they take turns."""
-    from mlx_vlm import load, stream_generate
+    from mlx_vlm import load
     from tiny_vision import save_tiny_gemma4_vision
 
     checkpoint = str(save_tiny_gemma4_vision(tmp_path, bidirectional=True))
@@ -338,6 +335,4 @@ def test_prompts_whose_images_go_in_whole_never_wait_on_each_others_pages(tmp_pa
     finally:
         eng.shutdown()
     for (messages, images), (toks, _) in zip(convs, outs):
-        want = [r.token for r in stream_generate(vlm, processor, render(processor, messages), image=images,
-                                                 max_tokens=N, temperature=0.0)][:N]
-        assert toks == want
+        assert toks == vlm_greedy(vlm, processor, messages, images)
