@@ -10,6 +10,7 @@ import mlx.core as mx
 from ..memory.page_manager import PageManager
 from ..memory.state_snapshots import StateSnapshots
 from ..request import RequestOutput, Sequence, Status
+from .image_chunks import ImageChunks
 from .step_budget import StepBudget, StepRoom
 
 PREFETCH_AHEAD = 4  # waiting requests whose prefix pages the SSD tier reads ahead
@@ -91,7 +92,7 @@ class Scheduler:
                  snapshots: Optional[StateSnapshots] = None, budget: Optional[StepBudget] = None,
                  speculator=None, disk=None, tower_tokens=None):
         self.speculator = speculator  # speculative.Speculator: decoding rows may verify drafts
-        self.tower_tokens = tower_tokens  # a vision model's: image tokens a prompt's images take through its tower
+        self.images = ImageChunks(tower_tokens)  # how a vision prompt's images shape its chunks
         self.disk = disk  # kv_tiers.DiskTier: prefix pages on SSD, read back instead of recomputed
         self.pages = pages
         self.snapshots = snapshots  # a model with recurrent layers resumes only at a snapshot
@@ -255,18 +256,9 @@ class Scheduler:
 
     def _schedule_prefill(self, plan: StepPlan, seq: Sequence, room: StepRoom) -> int:
         start = seq.num_computed
-        wanted = seq.num_tokens - start
-        # Its images go through the vision tower with its first chunk that shows one; a
-        # step that has images already takes another prompt's only within its gap, else
-        # that prompt's text up to its first image.
-        tower = self.tower_tokens(seq.images) if seq.images is not None and seq.embeds is None else 0
-        if tower and not room.tower_fits(tower):
-            wanted, tower = min(wanted, seq.images.spans[0][0] - start), 0
+        wanted, tower = self.images.tower(seq, start, seq.num_tokens - start, room)
         fits = (len(seq.pages) + self.pages.available()) * self.page_size - start
-        if seq.status == Status.WAITING and seq.images is not None and seq.images.blocks:
-            # Its images' tokens go in whole (below): admitted only with pages for all of
-            # its tokens, which it holds from now on. Two prompts that each held part
-            # could both wait at an image for pages the other holds.
+        if seq.status == Status.WAITING and self.images.holds_all_pages(seq):
             if fits < seq.num_tokens - start:
                 return 0
             seq.pages += self.pages.allocate(-(-seq.num_tokens // self.page_size) - len(seq.pages))
@@ -275,16 +267,12 @@ class Scheduler:
             return 0
         if self.snapshots is not None:
             length = self._end_on_snapshot_point(seq, start, length)
-        length = self._end_outside_image_blocks(seq, start, length, extend=True)
-        if length > fits:
-            length = self._end_outside_image_blocks(seq, start, fits, extend=False)
-        if length <= 0:
-            return 0
+        length = self.images.end_outside_blocks(seq, start, length)  # within `fits`: it holds all its pages
         need = -(-(start + length) // self.page_size) - len(seq.pages)
         if need > 0:
             seq.pages += self.pages.allocate(need)
         samples = start + length == seq.num_tokens
-        tower = tower if tower and seq.images.shown(start, start + length) else 0
+        tower = self.images.encoded(seq, start, length, tower)
         plan.prefills.append(PrefillChunk(seq, start, length, samples, tower))
         seq.verifying = samples and plan.prefills[-1].replay  # its next step drafts: from known tokens
         room.take(start, length, tower)
@@ -307,18 +295,6 @@ class Scheduler:
                 return point - start
         if start + length < seq.num_tokens and (start + length) // P * P > start:
             return (start + length) // P * P - start
-        return length
-
-    @staticmethod
-    def _end_outside_image_blocks(seq: Sequence, start: int, length: int, extend: bool) -> int:
-        """A chunk of a prompt whose image tokens attend to each other both ways
-        (`ImageInputs.blocks`) ends before an image's tokens or after them, never inside:
-        the chunk's tokens of an image see all of its keys. An image that begins at the
-        chunk's start is taken whole, past the step's room (0 where it may not `extend`)."""
-        blocks = seq.images.blocks if seq.images is not None else None
-        for s, t in blocks or ():
-            if s < start + length < t:
-                return s - start if s > start else (t - start if extend else 0)
         return length
 
     @staticmethod
