@@ -110,8 +110,8 @@ class Engine:
         self.scheduler = Scheduler(self.pages, eos, config.max_running_requests, config.max_batched_tokens,
                                    self.snapshots, self.budget, self.speculator, self.disk,
                                    getattr(model, "tower_tokens", None))
-        self.activation_bytes = activation_budget(model, config.max_batched_tokens, config.max_running_requests,
-                                                  self.vocab_size)
+        chunk = max(config.max_batched_tokens, getattr(model, "image_block_tokens", 0))  # the longest a chunk gets
+        self.activation_bytes = activation_budget(model, chunk, config.max_running_requests, self.vocab_size)
         # The decode batch's copies from the pool run before a step, never beside one: its activation
         # budget.
         staging_bytes = int(config.decode_staging_fraction * budget)

@@ -327,6 +327,10 @@ def test_prompts_whose_images_go_in_whole_never_wait_on_each_others_pages(tmp_pa
     try:
         reqs = [request(eng, f"r{i}", m, ims) for i, (m, ims) in enumerate(convs)]
         assert eng.stats()["kv_pages_total"] == 3 and all(r.images.blocks == [(10, 22)] for r in reqs)
+        from mlx_worker.memory.activations import activation_budget
+
+        assert eng.activation_bytes == activation_budget(eng.model, 16, eng.config.max_running_requests,
+                                                         eng.vocab_size)  # an image (up to 16 tokens) in one chunk
 
         async def main():
             return await asyncio.wait_for(asyncio.gather(*[collect(eng, r) for r in reqs]), 30)

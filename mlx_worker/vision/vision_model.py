@@ -51,6 +51,10 @@ class VisionLanguageModel(nn.Module):
         self.image_cache = ImageCache(image_cache_bytes)
         self.tower_calls = 0  # calls of the vision tower (each on one or more images)
         self.mrope = hasattr(vlm.language_model, "get_rope_index")
+        both_ways = getattr(getattr(vlm.config, "text_config", None), "use_bidirectional_attention", None) == "vision"
+        # Gemma 4's larger checkpoints: an image's tokens go into one chunk, however long the step.
+        self.image_block_tokens = getattr(getattr(processor, "image_processor", None), "max_soft_tokens", 0) \
+            if both_ways else 0
         body = getattr(vlm.language_model, "model", None)  # Idefics3's text model has no separate body
         body_args = inspect.signature(body.__call__).parameters if body is not None else {}
         self._embeddings_arg = "inputs_embeds" if "inputs_embeds" in body_args else "input_embeddings"  # LFM2's
