@@ -53,12 +53,12 @@ def reference(checkpoint):
     return lambda messages, images: vlm_greedy(vlm, processor, messages, images)
 
 
-def vlm_greedy(vlm, processor, messages, images):
-    """mlx-vlm's own N greedy tokens for a conversation and its images."""
+def vlm_greedy(vlm, processor, messages, images, n=N):
+    """mlx-vlm's own n greedy tokens for a conversation and its images."""
     from mlx_vlm import stream_generate
 
     return [r.token for r in stream_generate(vlm, processor, render(processor, messages), image=images or None,
-                                             max_tokens=N, temperature=0.0)][:N]
+                                             max_tokens=n, temperature=0.0)][:n]
 
 
 def picture(seed, size=(40, 50)):
@@ -340,3 +340,30 @@ def test_prompts_whose_images_go_in_whole_never_wait_on_each_others_pages(tmp_pa
         eng.shutdown()
     for (messages, images), (toks, _) in zip(convs, outs):
         assert toks == vlm_greedy(vlm, processor, messages, images)
+
+
+def test_speculative_decoding_on_a_vision_model_gives_its_tokens(tmp_path):
+    """`speculative: {method: suffix}` on Qwen2.5-VL, the same conversations sent twice
+    (the second time drafted from the first's answers): verify rows run at their M-RoPE
+    positions past the prompt (its images' grids shift them), and the tokens, batched
+    with text and other images, are still mlx-vlm's."""
+    from mlx_vlm import load
+    from tiny_vision import save_tiny_qwen2_5_vision
+
+    checkpoint = str(save_tiny_qwen2_5_vision(tmp_path))
+    vlm, processor = load(checkpoint)
+    eng = Engine(EngineConfig(model=checkpoint, max_total_tokens=4096,
+                              speculative={"method": "suffix", "adaptive": False, "num_draft_tokens": 3}))
+    try:
+        outs = []
+        for turn in range(2):
+            reqs = [request(eng, f"r{turn}-{i}", m, ims) for i, (m, ims) in enumerate(CONVERSATIONS)]
+            for r in reqs:
+                r.params = SamplingParams(max_tokens=2 * N, temperature=0.0)
+            outs += run(eng, reqs)
+        drafts = eng.stats()["speculative"]
+    finally:
+        eng.shutdown()
+    for (messages, images), (toks, _) in zip(CONVERSATIONS * 2, outs):
+        assert toks == vlm_greedy(vlm, processor, messages, images, 2 * N)
+    assert drafts["verify_rows"] > 0 and drafts["accepted_tokens"] > 0, drafts
