@@ -34,8 +34,8 @@ def write_random_weights(path: Path, config: dict, seed: int = 0, scale: float =
     model_config = module.ModelConfig.from_dict(dict(config))
     model_config.text_config = module.TextConfig.from_dict(config.get("text_config", model_config.text_config))
     model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
+    mx.random.seed(seed)  # before the model: the weights it keeps from its own init (biases) are random too
     model = module.Model(model_config)
-    mx.random.seed(seed)
     model.update(tree_map(lambda w: mx.random.normal(w.shape) * 0.02 * scale
                           if w.ndim >= 2 and mx.issubdtype(w.dtype, mx.floating) else w, model.parameters()))
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
