@@ -27,7 +27,10 @@ class EngineStats:
         self.recent_steps.append((seconds, decode_rows, prefill_tokens))
 
     def current(self, engine) -> dict:
-        return {**self.snapshot, **self.step_figures(engine)}
+        # The SSD tier's counters as they are now: its writer files pages after the last
+        # step too (an idle engine publishes nothing).
+        disk = {"prefix_cache_disk": engine.disk.stats() if engine.disk else None}
+        return {**self.snapshot, **self.step_figures(engine), **disk}
 
     def publish(self, engine) -> None:
         """Take the engine's figures after a step (or a failure), on the engine thread."""
@@ -85,7 +88,6 @@ class EngineStats:
             "adapters": engine.adapters.stats() if engine.adapters else None,  # resident LoRA adapters
             "speculative": engine.speculator.stats() if engine.speculator else None,  # drafts verified, accepted
             "images": engine.model.stats() if engine.worker.vision else None,  # the image cache
-            "prefix_cache_disk": engine.disk.stats() if engine.disk else None,  # the SSD tier
             **self.memory,
         }
 

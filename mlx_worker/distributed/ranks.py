@@ -75,9 +75,12 @@ def _write_json(value) -> str:
 
 
 def group_min(group: Optional[mx.distributed.Group], value: int) -> int:
-    """The smallest `value` over the group's ranks (every rank must call it)."""
+    """The smallest `value` over the group's ranks (every rank must call it). A step's
+    collectives still in flight (on the device's stream) finish first, so that this one's
+    messages never interleave with theirs."""
     if group is None or group.size() == 1:
         return value
+    mx.synchronize()
     values = mx.distributed.all_gather(mx.array([value], mx.int64), group=group, stream=mx.cpu)
     return int(values.min().item())
 
