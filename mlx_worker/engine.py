@@ -245,12 +245,12 @@ class Engine:
                               config.kv_bits, tree.states,
                               (drafter.weights, drafter.pool) if drafter is not None else None,
                               (ranks.rank, ranks.size) if ranks else None)
-        if ranks and ranks.min(int(disk is not None)) == 0:  # every rank has the tier, or none uses it
-            if disk is not None:
-                log.warning("prefix_cache_dir is not used: another rank of this replica cannot use it")
-                disk.close()
-            return None
-        if ranks:
+        if ranks:  # every rank has the tier, or none uses it
+            if ranks.min(int(disk is not None)) == 0:
+                if disk is not None:
+                    log.warning("prefix_cache_dir is not used: another rank of this replica cannot use it")
+                    disk.close()
+                return None
             disk.agree = ranks.min
         if disk is not None:
             self.pages.listener = disk.published

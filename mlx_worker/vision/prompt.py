@@ -29,8 +29,7 @@ def vision_prompt(processor, config, text: str, images: List) -> Tuple[List[int]
     image_token = getattr(config, "image_token_index", None) or getattr(config, "image_token_id")
     family = image_features(config.model_type)
     crops = family.crops(ids, image_token, processor.tokenizer, len(images)) if hasattr(family, "crops") else None
-    both_ways = getattr(getattr(config, "text_config", None), "use_bidirectional_attention", None) == "vision"
-    blocks = list(zip(*token_runs(ids, image_token))) if both_ways else None
+    blocks = list(zip(*token_runs(ids, image_token))) if images_attend_both_ways(config) else None
     return ids, ImageInputs(arrays=arrays, hashes=hashes, spans=image_spans(ids, image_token, len(images), crops),
                             crops=crops, blocks=blocks)
 
@@ -41,3 +40,8 @@ def _array(v):
         return np.asarray(v)
     except ValueError:
         return [np.asarray(x) for x in v]
+
+
+def images_attend_both_ways(config) -> bool:
+    """Whether the model's image tokens attend to each other both ways (Gemma 4's 26B / 31B)."""
+    return getattr(getattr(config, "text_config", None), "use_bidirectional_attention", None) == "vision"

@@ -15,7 +15,7 @@ from mlx_lm.models import cache as mlx_cache
 from .image_cache import ImageCache
 from .image_features import image_features
 from .image_inputs import ImageInputs
-from .prompt import vision_prompt
+from .prompt import images_attend_both_ways, vision_prompt
 
 # The vision families served: their language models take the engine's per-row positions
 # as they are (one RoPE position a token), or M-RoPE positions (Qwen-VL: three a token,
@@ -51,10 +51,9 @@ class VisionLanguageModel(nn.Module):
         self.image_cache = ImageCache(image_cache_bytes)
         self.tower_calls = 0  # calls of the vision tower (each on one or more images)
         self.mrope = hasattr(vlm.language_model, "get_rope_index")
-        both_ways = getattr(getattr(vlm.config, "text_config", None), "use_bidirectional_attention", None) == "vision"
         # Gemma 4's larger checkpoints: an image's tokens go into one chunk, however long the step.
         self.image_block_tokens = getattr(getattr(processor, "image_processor", None), "max_soft_tokens", 0) \
-            if both_ways else 0
+            if images_attend_both_ways(vlm.config) else 0
         body = getattr(vlm.language_model, "model", None)  # Idefics3's text model has no separate body
         body_args = inspect.signature(body.__call__).parameters if body is not None else {}
         self._embeddings_arg = "inputs_embeds" if "inputs_embeds" in body_args else "input_embeddings"  # LFM2's
